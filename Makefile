@@ -1,0 +1,34 @@
+# Every target creates .venv if it is missing and installs the project into it.
+# torch is pinned here (the package itself declares torch>=2.4): an open range would pull a CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[examples,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/stratagem demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -x --durations=15
+
+bench: $(STAMP)
+	$(BIN)/stratagem bench
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

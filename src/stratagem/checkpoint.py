@@ -1,0 +1,357 @@
+"""Atomic, verified, portable checkpoints: safetensors + JSON, never pickle.
+
+Layout: ``path`` is a symbolic link to ``<parent>/.<name>.versions/<step>-<id>/``, a directory
+holding ``model.safetensors`` (the model users keep, under the module's own names: the
+replicated model, or the global/center model of parameter-server and elastic-averaging
+strategies), optimizer state (``optimizer.safetensors`` + ``optimizer.json``, one pair per rank
+when the state is local to each worker), ``strategy.safetensors`` (center, outer momentum,
+...), ``rng.safetensors`` (every rank's RNG states), ``extra.safetensors`` and
+``manifest.json`` (strategy, world size, step, JSON extras, sha256 of every file).
+
+A save writes and fsyncs a new version directory, then swaps the link with one
+``os.replace``: a crash at any instant leaves ``path`` pointing at a complete checkpoint.
+``restore`` verifies every checksum and, if ``path`` is damaged, falls back to the newest
+intact version with a warning. ``save`` and ``restore`` are collectives: each replica
+contributes what only it holds, the chief writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from .data import DistributedLoader
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .strategy import Strategy
+
+__all__ = ["save", "restore", "load_model_state", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+_MANIFEST = "manifest.json"
+
+
+# ---------------------------------------------------------------------- state <-> (tensors, json)
+def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replace tensors in a nested structure by references; collect them in ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        key = prefix or "_"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        return {"__dict__": [[_split(k, "", {}) if not isinstance(k, (str, int)) else k,
+                              _split(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__" if isinstance(obj, list) else "__tuple__":
+                [_split(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise CheckpointError(f"cannot checkpoint a {type(obj).__name__} at {prefix!r}: only tensors, "
+                          "numbers, strings, None and dict/list/tuple of them are stored (no pickle)")
+
+
+def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            key = obj["__tensor__"]
+            if key not in tensors:
+                raise CheckpointError(f"checkpoint refers to tensor {key!r} that is not stored")
+            return tensors[key]
+        if "__dict__" in obj:
+            return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+        if "__list__" in obj:
+            return [_join(v, tensors) for v in obj["__list__"]]
+        if "__tuple__" in obj:
+            return tuple(_join(v, tensors) for v in obj["__tuple__"])
+        raise CheckpointError(f"unexpected entry in checkpoint JSON: {sorted(obj)[:3]}")
+    return obj
+
+
+def _pack(obj: Any) -> bytes:
+    """A nested state as one byte string: safetensors (tensors + the JSON skeleton in its
+    metadata header)."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split(obj, "", tensors)
+    return st_save(tensors, metadata={"skeleton": json.dumps(skeleton)})
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    from safetensors import safe_open  # noqa: F401 - the header parser used by load
+
+    try:
+        tensors = st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + header_len])
+        skeleton = json.loads(header.get("__metadata__", {}).get("skeleton", "null"))
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt file
+        raise CheckpointError(f"{what} is not a valid safetensors file: {exc}") from exc
+    return _join(skeleton, tensors)
+
+
+# ---------------------------------------------------------------------- files
+def _fsync_write(path: Path, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _versions_dir(path: Path) -> Path:
+    return path.parent / f".{path.name}.versions"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify(directory: Path) -> dict[str, Any]:
+    """The manifest of an intact checkpoint directory; ``CheckpointError`` otherwise."""
+    manifest_path = directory / _MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{directory} has no {_MANIFEST}: not a complete checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{manifest_path} is unreadable: {exc}") from exc
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory}: unknown checkpoint format {manifest.get('format')!r}")
+    for name, digest in manifest.get("files", {}).items():
+        f = directory / name
+        if "/" in name or name.startswith(".") or not f.is_file():
+            raise CheckpointError(f"{directory}: file {name!r} listed in the manifest is missing")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{directory}: checksum mismatch in {name} (file corrupted)")
+    return manifest
+
+
+def _candidates(path: Path) -> list[Path]:
+    versions = _versions_dir(path)
+    found = [d for d in versions.iterdir() if d.is_dir() and not d.name.startswith("tmp-")] \
+        if versions.is_dir() else []
+    return sorted(found, key=lambda d: d.name, reverse=True)
+
+
+def _resolve(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to load at ``path``: itself if intact, else the newest intact version."""
+    errors: list[str] = []
+    if path.exists():
+        try:
+            return path.resolve(), _verify(path)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+    for candidate in _candidates(path):
+        if path.exists() and candidate == path.resolve():
+            continue
+        try:
+            manifest = _verify(candidate)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            continue
+        warnings.warn(f"checkpoint at {path} is damaged or missing ({errors[0] if errors else 'missing'}); "
+                      f"restoring the newest intact one, {candidate}", RuntimeWarning, stacklevel=3)
+        return candidate, manifest
+    raise CheckpointError(f"no intact checkpoint at {path}" + (f": {'; '.join(errors)}" if errors else "")
+                          + ". Fix: check the path, or save a checkpoint first.")
+
+
+# ---------------------------------------------------------------------- save
+def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2, **state: Any) -> Path:
+    """Collective save; see the module docstring. Returns the version directory written."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    path = Path(os.fspath(path).rstrip("/") or ".")
+    comm = strategy.comm
+    files: dict[str, bytes] = {}
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION, "strategy": type(strategy).__name__,
+        "world_size": comm.world_size, "time": time.time(), "objects": {}, "extra": {},
+    }
+    extra_tensors: dict[str, Any] = {}
+    strategy_state: dict[str, torch.Tensor] = {}
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module):
+            prepared = strategy._find_prepared(obj)
+            tensors = strategy._checkpoint_model(prepared) if prepared is not None else \
+                {k: v.detach() for k, v in obj.state_dict().items()}
+            name = "model.safetensors" if key == "model" else f"{key}.safetensors"
+            files[name] = st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                                  metadata={"format": "pt"})
+            manifest["objects"][key] = {"kind": "module", "file": name}
+            if prepared is not None:
+                for k, v in strategy._strategy_state(prepared).items():
+                    strategy_state[f"{key}/{k}"] = v.detach().cpu().contiguous()
+        elif isinstance(obj, torch.optim.Optimizer):
+            sd = strategy._optimizer_state(obj)
+            blob = _pack(sd)
+            if strategy._local_optimizer_state and comm.world_size > 1:
+                for r, b in enumerate(comm.all_gather_bytes(blob)):
+                    files[f"{key}.rank{r}.safetensors"] = b
+                manifest["objects"][key] = {"kind": "optimizer", "per_rank": comm.world_size}
+            else:
+                files[f"{key}.safetensors"] = blob
+                manifest["objects"][key] = {"kind": "optimizer", "per_rank": 0}
+        elif isinstance(obj, DistributedLoader):
+            manifest["objects"][key] = {"kind": "loader", "state": obj.state_dict()}
+        elif isinstance(obj, torch.Tensor) or (isinstance(obj, (dict, list, tuple)) and _has_tensor(obj)):
+            extra_tensors[key] = obj
+        else:
+            try:
+                json.dumps(obj)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"cannot checkpoint {key}={type(obj).__name__}: extras must be "
+                                      "tensors or JSON-able values (no pickle)") from exc
+            manifest["extra"][key] = obj
+    if strategy_state:
+        files["strategy.safetensors"] = st_save(strategy_state)
+    if extra_tensors:
+        files["extra.safetensors"] = _pack(extra_tensors)
+    manifest["precision"] = strategy.precision.state_dict()
+    manifest["steps"] = strategy._steps
+    rng = _pack({"torch": torch.get_rng_state(),
+                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
+    for r, b in enumerate(comm.all_gather_bytes(rng)):
+        files[f"rng.rank{r}.safetensors"] = b
+
+    written: Path | None = None
+    failed = torch.zeros(1)
+    error: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            written = _commit(path, files, manifest, keep_last)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank below
+            error = exc
+            failed.fill_(1.0)
+    comm.all_reduce(failed, "max")
+    if error is not None:
+        raise CheckpointError(f"writing checkpoint {path} failed: {error}") from error
+    if failed.item() > 0:
+        raise CheckpointError(f"the chief (rank 0) failed to write checkpoint {path}; see its log")
+    return written if written is not None else path
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _commit(path: Path, files: dict[str, bytes], manifest: dict[str, Any], keep_last: int) -> Path:
+    versions = _versions_dir(path)
+    versions.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_symlink():
+        if not (path / _MANIFEST).is_file():
+            raise CheckpointError(f"{path} exists and is not a stratagem checkpoint; refusing to "
+                                  "replace it. Fix: choose another path or remove it.")
+        os.replace(path, versions / f"{0:012d}-legacy-{uuid.uuid4().hex[:8]}")
+    step = manifest["extra"].get("step", manifest["steps"])
+    name = f"{int(step) if isinstance(step, (int, float)) else 0:012d}-{time.time_ns():020d}"
+    tmp = versions / f"tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    manifest["files"] = {fname: _fsync_write(tmp / fname, data) for fname, data in files.items()}
+    _fsync_write(tmp / _MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    _fsync_dir(tmp)
+    final = versions / name
+    os.replace(tmp, final)
+    _fsync_dir(versions)
+    link_tmp = path.parent / f".{path.name}.link-{uuid.uuid4().hex[:8]}"
+    os.symlink(os.path.relpath(final, path.parent), link_tmp)
+    os.replace(link_tmp, path)
+    _fsync_dir(path.parent)
+    for old in _candidates(path)[keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in versions.glob("tmp-*"):
+        if time.time() - stale.stat().st_mtime > 3600:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------- restore
+def load_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The verified ``model.safetensors`` of a checkpoint, as a state dict."""
+    directory, _ = _resolve(Path(os.fspath(path).rstrip("/") or "."))
+    return _read_tensors(directory / "model.safetensors")
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return st_load(file.read_bytes())
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{file} is not a valid safetensors file: {exc}") from exc
+
+
+def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
+    """Collective restore; returns the saved extras (``step`` and the rest)."""
+    directory, manifest = _resolve(Path(os.fspath(path).rstrip("/") or "."))
+    comm = strategy.comm
+    objects = manifest.get("objects", {})
+    strategy_file = directory / "strategy.safetensors"
+    strategy_state = _read_tensors(strategy_file) if strategy_file.is_file() else {}
+    result: dict[str, Any] = dict(manifest.get("extra", {}))
+    extra_file = directory / "extra.safetensors"
+    if extra_file.is_file():
+        result.update(_unpack(extra_file.read_bytes(), str(extra_file)))
+    for key, obj in state.items():
+        entry = objects.get(key)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {directory} holds no {key!r}; it holds "
+                                  f"{sorted(objects) or 'no objects'}")
+        if isinstance(obj, nn.Module):
+            tensors = _read_tensors(directory / entry["file"])
+            prepared = strategy._find_prepared(obj)
+            if prepared is None:
+                obj.load_state_dict(tensors)
+            else:
+                strategy._load_model(prepared, tensors)
+                prefix = f"{key}/"
+                strategy._load_strategy_state(prepared, {k[len(prefix):]: v for k, v in
+                                                         strategy_state.items() if k.startswith(prefix)})
+        elif isinstance(obj, torch.optim.Optimizer):
+            per_rank = int(entry.get("per_rank", 0))
+            name = f"{key}.rank{comm.rank % per_rank}.safetensors" if per_rank else f"{key}.safetensors"
+            strategy._load_optimizer_state(obj, _unpack((directory / name).read_bytes(), name))
+        elif isinstance(obj, DistributedLoader):
+            obj.load_state_dict(entry["state"])
+        else:
+            raise TypeError(f"restore({key}=...) takes modules, optimizers and loaders; got "
+                            f"{type(obj).__name__}")
+    strategy.precision.load_state_dict(manifest.get("precision", {}))
+    if manifest.get("world_size") == comm.world_size:
+        rng_file = directory / f"rng.rank{comm.rank}.safetensors"
+        if rng_file.is_file():
+            rng = _unpack(rng_file.read_bytes(), str(rng_file))
+            torch.set_rng_state(rng["torch"])
+            if rng.get("cuda") is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+    strategy._steps = int(manifest.get("steps", strategy._steps))
+    result.setdefault("step", manifest.get("steps", 0))
+    return result

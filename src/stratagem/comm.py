@@ -1,0 +1,299 @@
+"""``Comm``: an explicit process group with timeouts, byte/time accounting and peer diagnosis.
+
+Library code always receives a ``Comm``; nothing inside stratagem reaches for the default
+process group or the environment (``Comm.from_env`` is the single place that does). That is
+what lets the tests run ranks as threads, each with a group of its own.
+
+Byte accounting counts the payload a bandwidth-optimal (ring) algorithm moves per rank:
+an all-reduce of ``S`` bytes sends and receives ``2 (W-1)/W * S``; an all-gather of ``S``
+bytes per rank sends and receives ``(W-1) * S``; a broadcast receives ``S`` on every
+non-root rank and sends ``S`` from the root.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerTimeoutError
+
+__all__ = ["Comm"]
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+_HEARTBEAT_SECONDS = 1.0
+
+
+class _Heartbeat:
+    """A daemon thread bumping a counter in the store so a failed collective can tell a dead
+    peer (counter frozen) from a slow one (counter moving, collective progress behind)."""
+
+    def __init__(self, store: dist.Store, rank: int, progress: Any) -> None:
+        self._store = store
+        self._rank = rank
+        self._progress = progress
+        self._stop = threading.Event()
+        self._beats = 0
+        self._thread = threading.Thread(target=self._run, name=f"sg-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._beats += 1
+            try:
+                self._store.set(f"hb/{self._rank}", f"{self._beats}:{self._progress()}")
+            except Exception:  # noqa: BLE001 - the store host died; diagnosis reports it
+                return
+            self._stop.wait(_HEARTBEAT_SECONDS)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Comm:
+    """A process group plus the things a training library needs around it.
+
+    On failure: a collective that errors or exceeds ``timeout`` raises
+    :class:`~stratagem.PeerTimeoutError` naming the peer(s) whose heartbeat stopped (dead)
+    or, when all are alive, the ones furthest behind (stalled).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        *,
+        store: dist.Store | None = None,
+        timeout: float = 60.0,
+        heartbeat: bool = True,
+    ) -> None:
+        if world_size > 1 and group is None:
+            raise ValueError(f"a Comm of world_size={world_size} needs a process group")
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.timeout = float(timeout)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.seconds = 0.0
+        self.num_collectives = 0
+        self._heartbeat = (
+            _Heartbeat(store, rank, lambda: self.num_collectives)
+            if heartbeat and store is not None and world_size > 1
+            else None
+        )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def single(cls) -> Comm:
+        """A world of one: every collective is the identity."""
+        return cls(None, 0, 1)
+
+    @classmethod
+    def from_env(cls, *, timeout: float = 60.0, device: torch.device | None = None) -> Comm:
+        """Join the job described by torchrun-style environment variables.
+
+        The first strategy built in a launched worker initialises torch.distributed's default
+        process group here, so user code may also call ``torch.distributed`` directly.
+        """
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1 and not dist.is_initialized():
+            return cls.single()
+        if dist.is_initialized():
+            group = dist.distributed_c10d._get_default_group()
+            try:
+                store: dist.Store | None = dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001 - private API; heartbeats are a diagnosis aid only
+                store = None
+            return cls(group, dist.get_rank(), dist.get_world_size(), store=store, timeout=timeout)
+        rank = int(os.environ["RANK"])
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ["MASTER_PORT"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        base = dist.TCPStore(
+            host, port, world_size, is_master=(rank == 0 and not agent_store),
+            timeout=timedelta(seconds=timeout), wait_for_workers=False,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"stratagem/attempt_{attempt}", base)
+        backend = "cpu:gloo,cuda:nccl" if (device is not None and device.type == "cuda") else "gloo"
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+            world_size=world_size, timeout=timedelta(seconds=timeout),
+        )
+        group = dist.distributed_c10d._get_default_group()
+        return cls(group, rank, world_size, store=store, timeout=timeout)
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+
+    # ------------------------------------------------------------------ accounting
+    def account(self, sent: float, received: float, seconds: float = 0.0) -> None:
+        self.bytes_sent += int(sent)
+        self.bytes_received += int(received)
+        self.seconds += seconds
+
+    def allreduce_bytes(self, nbytes: int) -> float:
+        return 2.0 * (self.world_size - 1) / self.world_size * nbytes
+
+    # ------------------------------------------------------------------ failures
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError
+            raise self.diagnose(exc, what) from exc
+        if ok is False:
+            raise self.diagnose(TimeoutError(f"no completion after {self.timeout}s"), what)
+
+    def diagnose(self, exc: BaseException, what: str) -> PeerTimeoutError:
+        """Turn a failed collective into a ``PeerTimeoutError`` naming the culprit peer(s)."""
+        culprits, how = self._find_culprits()
+        names = ", ".join(str(r) for r in culprits) if culprits else "unknown"
+        return PeerTimeoutError(
+            f"{what} failed on rank {self.rank} of {self.world_size}: peer rank(s) {names} "
+            f"{how} (timeout={self.timeout}s). Original error: {str(exc).splitlines()[0][:300]}. "
+            "Fix: check that peer's log; restart the job (stratagem run --max-restarts) and "
+            "resume from the last checkpoint.",
+            ranks=tuple(culprits),
+        )
+
+    def _read_beats(self) -> dict[int, tuple[int, int]] | None:
+        if self.store is None:
+            return None
+        beats: dict[int, tuple[int, int]] = {}
+        try:
+            for r in range(self.world_size):
+                key = f"hb/{r}"
+                if self.store.check([key]):
+                    count, progress = self.store.get(key).decode().split(":")
+                    beats[r] = (int(count), int(progress))
+        except Exception:  # noqa: BLE001 - the store itself is gone
+            return None
+        return beats
+
+    def _find_culprits(self) -> tuple[list[int], str]:
+        others = [r for r in range(self.world_size) if r != self.rank]
+        first = self._read_beats()
+        if first is None:
+            return [0], "is unreachable (it hosts the rendezvous store, or the store is down)"
+        time.sleep(2.5 * _HEARTBEAT_SECONDS)
+        second = self._read_beats()
+        if second is None:
+            return [0], "is unreachable (it hosts the rendezvous store, or the store is down)"
+        dead = [r for r in others if r not in second or first.get(r, (-1, 0))[0] == second[r][0]]
+        if dead:
+            return dead, "stopped responding (its heartbeat stopped: the process died or froze)"
+        lowest = min(second[r][1] for r in others) if others else 0
+        behind = [r for r in others if second[r][1] == lowest and lowest < self.num_collectives]
+        if behind:
+            return behind, "is alive but did not join the collective (stalled or diverged)"
+        return [], "did not complete the collective"
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of a contiguous tensor; ``op`` in sum/max/min/product."""
+        if self.world_size == 1:
+            return tensor
+        assert self.group is not None and tensor.is_contiguous()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _REDUCE_OPS[op]
+        t0 = time.perf_counter()
+        self.num_collectives += 1
+        self._wait(self.group.allreduce([tensor], opts), f"all_reduce({op})")
+        nbytes = self.allreduce_bytes(tensor.numel() * tensor.element_size())
+        self.account(nbytes, nbytes, time.perf_counter() - t0)
+        return tensor
+
+    def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum") -> None:
+        """All-reduce many tensors in place with one collective per dtype/device."""
+        if self.world_size == 1 or not tensors:
+            return
+        for group in _by_dtype(tensors):
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.all_reduce(flat, op)
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        assert self.group is not None and tensor.is_contiguous()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        t0 = time.perf_counter()
+        self.num_collectives += 1
+        self._wait(self.group.broadcast([tensor], opts), "broadcast")
+        nbytes = tensor.numel() * tensor.element_size()
+        self.account(nbytes if self.rank == src else 0, 0 if self.rank == src else nbytes,
+                     time.perf_counter() - t0)
+        return tensor
+
+    def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        if self.world_size == 1 or not tensors:
+            return
+        for group in _by_dtype(tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.broadcast(flat, src)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    n = t.numel()
+                    t.copy_(flat[offset:offset + n].view_as(t))
+                    offset += n
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Same-shape all-gather: returns one tensor per rank."""
+        if self.world_size == 1:
+            return [tensor]
+        assert self.group is not None
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        t0 = time.perf_counter()
+        self.num_collectives += 1
+        self._wait(self.group.allgather([out], [tensor]), "all_gather")
+        nbytes = (self.world_size - 1) * tensor.numel() * tensor.element_size()
+        self.account(nbytes, nbytes, time.perf_counter() - t0)
+        return out
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """All-gather variable-length byte strings (sizes first, then padded payloads)."""
+        if self.world_size == 1:
+            return [payload]
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        sizes = [int(s.item()) for s in self.all_gather(size)]
+        buf = torch.zeros(max(sizes) or 1, dtype=torch.uint8)
+        if payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return [bytes(t[:n].numpy().tobytes()) for t, n in zip(self.all_gather(buf), sizes)]
+
+    def barrier(self) -> None:
+        if self.world_size == 1:
+            return
+        self.all_reduce(torch.zeros(1))
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())

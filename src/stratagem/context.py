@@ -1,0 +1,132 @@
+"""Scope stack, replica context and input context (the tf.distribute vocabulary).
+
+The scope stack is thread-local so that tests can run several ranks as threads in one
+process, each with its own strategy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .strategy import Strategy
+
+__all__ = ["get_strategy", "get_replica_context", "has_strategy", "InputContext", "ReplicaContext"]
+
+_local = threading.local()
+
+
+def _stack() -> list[Strategy]:
+    stack = getattr(_local, "strategies", None)
+    if stack is None:
+        stack = []
+        _local.strategies = stack
+    return stack
+
+
+@contextmanager
+def _enter_scope(strategy: Strategy) -> Iterator[Strategy]:
+    stack = _stack()
+    stack.append(strategy)
+    try:
+        yield strategy
+    finally:
+        popped = stack.pop()
+        assert popped is strategy, "strategy scopes must be exited in reverse order"
+
+
+def has_strategy() -> bool:
+    """True inside a ``strategy.scope()``."""
+    return bool(_stack())
+
+
+def get_strategy() -> Strategy:
+    """The strategy of the innermost ``scope()``; outside any scope, a per-thread default
+    ``OneDevice`` strategy (every collective is the identity)."""
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    default = getattr(_local, "default", None)
+    if default is None:
+        from .strategies.one_device import OneDevice
+
+        default = OneDevice()
+        _local.default = default
+    return default
+
+
+class ReplicaContext:
+    """What ``fn`` sees inside ``strategy.run(fn)``: its replica id and in-replica collectives."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self._strategy = strategy
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._strategy.replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    def all_reduce(self, op: Any, value: Any) -> Any:
+        """Reduce ``value`` (tensor, number or nested dict/list/tuple) across replicas."""
+        return self._strategy.reduce(op, value)
+
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenate ``value`` across replicas along ``axis``."""
+        return self._strategy.gather(value, axis=axis)
+
+
+def _replica_stack() -> list[ReplicaContext]:
+    stack = getattr(_local, "replicas", None)
+    if stack is None:
+        stack = []
+        _local.replicas = stack
+    return stack
+
+
+@contextmanager
+def _enter_replica(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+    stack = _replica_stack()
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()
+
+
+def get_replica_context() -> ReplicaContext:
+    """The replica context of the enclosing ``strategy.run``; outside ``run`` (the usual case
+    in PyTorch, where every process is one replica) the current strategy's own replica."""
+    stack = _replica_stack()
+    if stack:
+        return stack[-1]
+    return ReplicaContext(get_strategy())
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """Passed to the ``input_fn`` of ``distribute_datasets_from_function``."""
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size // num_replicas_in_sync``; raises ``ValueError`` when not divisible."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by "
+                f"num_replicas_in_sync={self.num_replicas_in_sync}; use a multiple of "
+                f"{self.num_replicas_in_sync}"
+            )
+        return global_batch_size // self.num_replicas_in_sync

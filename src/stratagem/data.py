@@ -1,0 +1,159 @@
+"""Sharded, seeded, per-replica batching: what ``distribute_dataset`` returns.
+
+Every replica computes the same seeded permutation for the epoch and takes its own slice of
+each global batch, so no coordination is needed and no sample is seen twice in an epoch
+(no duplicate padding). Every replica takes the same number of steps, so an uneven tail can
+never leave one replica waiting in a collective for another that has run out of data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+__all__ = ["DistributedLoader"]
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_move(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _move(v, device) for k, v in batch.items()}
+    return batch
+
+
+class DistributedLoader:
+    """Iterates over this replica's share of each global batch.
+
+    ``len(loader)`` is the number of steps per epoch, identical on every replica. The last,
+    partial global batch (``drop_remainder=False``) is split as evenly as possible across the
+    replicas; when it holds fewer samples than there are replicas it is dropped, because a
+    replica with an empty batch could not take the step. Call ``set_epoch(e)`` before each
+    epoch for a new shuffle; ``state_dict()`` / ``load_state_dict()`` resume mid-epoch.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any] | Sequence[torch.Tensor],
+        global_batch_size: int,
+        *,
+        num_replicas: int,
+        replica_id: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = False,
+        device: torch.device | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
+                or global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+        if global_batch_size % num_replicas:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by the "
+                f"{num_replicas} replicas in sync; use a multiple of {num_replicas} "
+                f"(e.g. {global_batch_size - global_batch_size % num_replicas or num_replicas})"
+            )
+        self._tensors: tuple[torch.Tensor, ...] | None = None
+        if isinstance(dataset, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in dataset):
+            self._tensors = tuple(dataset)
+        elif isinstance(dataset, TensorDataset):
+            self._tensors = tuple(dataset.tensors)
+        if self._tensors is not None:
+            sizes = {len(t) for t in self._tensors}
+            if len(sizes) != 1:
+                raise ValueError(f"tensors of a dataset tuple must have the same length, got {sorted(sizes)}")
+            self._n = sizes.pop()
+        else:
+            try:
+                self._n = len(dataset)  # type: ignore[arg-type]
+            except TypeError as exc:
+                raise TypeError(
+                    f"distribute_dataset needs a map-style Dataset (with __len__) or a tuple of "
+                    f"tensors, got {type(dataset).__name__}; for an iterable dataset use "
+                    "distribute_datasets_from_function"
+                ) from exc
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.num_replicas = num_replicas
+        self.replica_id = replica_id
+        self.per_replica_batch_size = global_batch_size // num_replicas
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_remainder = drop_remainder
+        self.device = device or torch.device("cpu")
+        self.collate_fn = collate_fn
+        self.num_workers = num_workers
+        self.epoch = 0
+        self._start_step = 0
+        self.step_in_epoch = 0
+        if self._n < num_replicas:
+            raise ValueError(
+                f"the dataset holds {self._n} samples, fewer than the {num_replicas} replicas: "
+                "some replica would get no samples. Use a larger dataset or fewer workers."
+            )
+        if len(self) == 0:
+            raise ValueError(
+                f"the dataset holds {self._n} samples, less than one global batch of "
+                f"{global_batch_size}, and drop_remainder=True: every replica would get no "
+                "samples. Use a smaller global_batch_size or drop_remainder=False."
+            )
+
+    def __len__(self) -> int:
+        full, tail = divmod(self._n, self.global_batch_size)
+        return full + (1 if tail >= self.num_replicas and not self.drop_remainder else 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (the permutation depends on ``seed`` and ``epoch`` only)."""
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume: the next iteration starts at ``step_in_epoch`` of ``epoch``."""
+        self.epoch = int(state["epoch"])
+        self._start_step = int(state["step_in_epoch"])
+
+    def _permutation(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self._n)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self._n, generator=gen)
+
+    def _index_batches(self) -> list[torch.Tensor]:
+        perm = self._permutation()
+        G, b, r = self.global_batch_size, self.per_replica_batch_size, self.replica_id
+        full = self._n // G
+        batches = [perm[s * G + r * b: s * G + (r + 1) * b] for s in range(full)]
+        if len(self) > full:
+            tail = perm[full * G:]
+            batches.append(torch.tensor_split(tail, self.num_replicas)[r])
+        return batches
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self._index_batches()[self._start_step:]
+        self.step_in_epoch = self._start_step
+        self._start_step = 0
+        if self._tensors is not None:
+            for idx in batches:
+                self.step_in_epoch += 1
+                yield _move(tuple(t[idx] for t in self._tensors), self.device)
+            return
+        loader = DataLoader(
+            self.dataset,  # type: ignore[arg-type]
+            batch_sampler=[idx.tolist() for idx in batches],  # type: ignore[arg-type]
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+        )
+        for batch in loader:
+            self.step_in_epoch += 1
+            yield _move(batch, self.device)

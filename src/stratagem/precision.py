@@ -1,0 +1,104 @@
+"""Mixed precision: autocast, dynamic loss scaling, non-finite gradient detection.
+
+Loss scaling follows torch.amp.GradScaler semantics (Micikevicius et al., "Mixed Precision
+Training", 2018; the tf_cnn_benchmarks automatic loss scaling): start at 2**16, halve and skip
+the step on a non-finite gradient, double after ``growth_interval`` clean steps. It is
+implemented here rather than by GradScaler because synchronous strategies must all-reduce the
+skip decision before acting on it, so every replica skips the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["Precision", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_NONFINITE = ("raise", "skip")
+
+
+class Precision:
+    """Autocast context, loss scale and non-finite checks for one replica."""
+
+    def __init__(
+        self,
+        precision: str = "fp32",
+        *,
+        device_type: str = "cpu",
+        on_nonfinite: str = "raise",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if on_nonfinite not in _NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        self.precision = precision
+        self.device_type = device_type
+        self.on_nonfinite = on_nonfinite
+        self.scale = float(init_scale) if precision == "fp16" else 1.0
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.precision == "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        dtype = self.dtype
+        if dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=self.device_type, dtype=dtype):
+            yield
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # Upcast first: an fp16 loss times 2**16 would overflow before backward even starts.
+        return loss.float() * self.scale if self.uses_scaler else loss
+
+    def unscale_and_check(self, grads: Iterable[torch.Tensor]) -> bool:
+        """Unscale gradients in place (fp16) and return True when any is inf/nan."""
+        grads = [g._values() if g.is_sparse else g for g in grads]
+        if not grads:
+            return False
+        if self.uses_scaler:
+            inv = 1.0 / self.scale
+            torch._foreach_mul_(grads, inv)
+        norms = torch._foreach_norm(grads, ord=float("inf"))
+        return not bool(torch.stack([n.float() for n in norms]).isfinite().all())
+
+    def update(self, found_nonfinite: bool) -> None:
+        """Advance the dynamic loss scale after a step (no-op without fp16)."""
+        if not self.uses_scaler:
+            return
+        if found_nonfinite:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker >= self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "scale": self.scale, "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.uses_scaler and state.get("precision") == "fp16":
+            self.scale = float(state["scale"])
+            self.growth_tracker = int(state["growth_tracker"])

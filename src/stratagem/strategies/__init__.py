@@ -1,0 +1,1 @@
+"""One file per strategy; each overrides the hooks of :class:`stratagem.strategy.Strategy`."""

@@ -1,0 +1,569 @@
+"""The ``Strategy`` base: the training-loop contract every strategy fulfils.
+
+How a step flows: ``strategy.backward(loss)`` (divide by ``accumulation_steps``, scale for
+fp16) -> wrapped ``optimizer.step()`` -> ``Strategy._step`` (accumulation boundary, unscale
+and non-finite decision, agreed across replicas for synchronous strategies) ->
+``_apply_update`` (the inner optimizer step, or a push/pull for parameter servers) ->
+``_after_update`` (the strategy's synchronisation: nothing, an elastic exchange, an average,
+an outer step). Strategies override those hooks and nothing else; the core never asks which
+strategy it is running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .context import InputContext, ReplicaContext, _enter_replica, _enter_scope
+from .data import DistributedLoader
+from .errors import ReplicaMismatchError
+from .precision import Precision
+
+__all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer"]
+
+
+class ReduceOp(str, Enum):
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
+
+
+def _normalize_op(op: Any) -> str:
+    value = op.value if isinstance(op, ReduceOp) else str(op).lower()
+    if value not in ("sum", "mean", "max", "min"):
+        raise ValueError(f"reduce op must be one of sum, mean, max, min (or sg.ReduceOp), got {op!r}")
+    return value
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Prepared:
+    """What ``prepare`` made of one model: the wrapped model, the bare module (names as the
+    user defined them), the wrapped optimizers, and a dict the strategy may keep state in."""
+
+    def __init__(self, model: nn.Module, module: nn.Module) -> None:
+        self.model = model
+        self.module = module
+        self.optimizers: list[StrategyOptimizer] = []
+        self.state: dict[str, Any] = {}
+        self.param_names = {id(p): n for n, p in module.named_parameters()}
+        self.local_steps = 0
+
+
+class StrategyOptimizer(torch.optim.Optimizer):
+    """The optimizer ``prepare`` returns: ``step()`` runs the strategy's step; ``zero_grad()``
+    is skipped between the micro-batches of one accumulated step. Everything else (param
+    groups, state, LR schedulers) is the wrapped optimizer's."""
+
+    def __init__(self, strategy: Strategy, optimizer: torch.optim.Optimizer, prepared: Prepared) -> None:
+        # Deliberately not calling Optimizer.__init__: the param groups and state are shared
+        # with the wrapped optimizer, not copied.
+        self._strategy = strategy
+        self.optimizer = optimizer
+        self._prepared = prepared
+        self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise TypeError("a closure is not supported by strategy optimizers: call "
+                            "strategy.backward(loss) then optimizer.step()")
+        return self._strategy._step(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._strategy._accumulating():
+            return
+        self._strategy._end_accumulation()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"StrategyOptimizer({type(self._strategy).__name__}, {self.optimizer!r})"
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    text = str(exc)
+    return any(k in text for k in ("Gloo", "gloo", "Connection closed", "Connection reset",
+                                   "Timed out", "NCCL", "Broken pipe"))
+
+
+class Strategy:
+    """Base of every strategy. Built from keyword arguments only.
+
+    Common arguments: ``precision`` ("fp32", "bf16", "fp16"), ``accumulation_steps``,
+    ``timeout`` (seconds before a silent peer becomes :class:`PeerTimeoutError`),
+    ``on_nonfinite`` ("raise" or "skip" when no loss scaler is in use), ``device`` (chosen at
+    run time when omitted: this worker's CUDA device, else the CPU), ``comm`` (an explicit
+    :class:`~stratagem.comm.Comm`; by default the job described by the environment).
+
+    On failure: a collective whose peer dies or stalls raises ``PeerTimeoutError`` naming the
+    peer within ``timeout`` (+ a few seconds of diagnosis); nothing waits forever.
+    """
+
+    #: True when the step is synchronous across replicas: the skip decision is all-reduced.
+    _synchronous_step = False
+    #: True when each worker holds optimizer state of its own (saved per rank).
+    _local_optimizer_state = False
+    #: Short name, also the one ``Strategy.from_name`` accepts.
+    name = "strategy"
+
+    def __init__(
+        self,
+        *,
+        precision: str = "fp32",
+        accumulation_steps: int = 1,
+        timeout: float = 60.0,
+        on_nonfinite: str = "raise",
+        device: torch.device | str | None = None,
+        comm: Comm | None = None,
+        growth_interval: int = 2000,
+        init_scale: float = 2.0**16,
+    ) -> None:
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
+                or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.timeout = float(timeout)
+        self.accumulation_steps = accumulation_steps
+        self.precision = Precision(precision, device_type=self.device.type,
+                                   on_nonfinite=on_nonfinite, growth_interval=growth_interval,
+                                   init_scale=init_scale)
+        self.comm = comm if comm is not None else self._comm_from_env()
+        self._prepared: list[Prepared] = []
+        self._micro = 0
+        self._boundary_done = False
+        self._steps = 0
+        self._skipped = 0
+
+    def _comm_from_env(self) -> Comm:
+        return Comm.from_env(timeout=self.timeout, device=self.device)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def replica_id(self) -> int:
+        return self.comm.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return self.replica_id == 0
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(replica {self.replica_id}/{self.num_replicas_in_sync}, "
+                f"precision={self.precision.precision!r})")
+
+    # ------------------------------------------------------------------ scope
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Inside, ``sg.get_strategy()`` returns this strategy."""
+        with _enter_scope(self):
+            yield self
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Autocast for the forward pass (a no-op under fp32)."""
+        return self.precision.autocast()
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """Check replicas agree, broadcast rank 0's state, wrap the model and optimizers.
+
+        Returns ``model`` alone when no optimizer is given, else ``(model, *optimizers)``.
+        Raises ``ReplicaMismatchError`` naming the first differing parameter and the ranks.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"prepare expects an nn.Module first, got {type(model).__name__}")
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, StrategyOptimizer):
+                raise TypeError(f"prepare expects torch optimizers after the model, got {type(opt).__name__}")
+        model.to(self.device)
+        self._check_replicas(model)
+        with torch.no_grad():
+            state = [t for t in list(model.parameters()) + list(model.buffers())]
+            self.comm.broadcast_coalesced([t.data for t in state], src=0)
+        wrapped = self._wrap_model(model)
+        if self.precision.dtype is not None:
+            wrapped.forward = self._autocast_forward(wrapped.forward)  # type: ignore[method-assign]
+        prepared = Prepared(wrapped, model)
+        prepared.optimizers = [StrategyOptimizer(self, opt, prepared) for opt in optimizers]
+        self._prepared.append(prepared)
+        self._setup(prepared)
+        self._set_grad_sync(prepared, self._micro + 1 >= self.accumulation_steps)
+        if not optimizers:
+            return wrapped
+        return (wrapped, *prepared.optimizers)
+
+    def _autocast_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        precision = self.precision
+
+        def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
+            with precision.autocast():
+                return forward(*args, **kwargs)
+
+        return forward_in_autocast
+
+    def _check_replicas(self, model: nn.Module) -> None:
+        entries = [[f"param:{n}", list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
+        entries += [[f"buffer:{n}", list(b.shape), str(b.dtype)] for n, b in model.named_buffers()]
+        self._agree(entries, "the model")
+
+    def _agree(self, signature: Any, what: str) -> None:
+        """Raise ``ReplicaMismatchError`` on every rank unless all ranks pass an equal
+        ``signature`` (JSON-able). One 32-byte all-gather when they agree."""
+        if self.num_replicas_in_sync == 1:
+            return
+        text = json.dumps(signature, separators=(",", ":"))
+        digest = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.int64)
+        digests = self.comm.all_gather(digest.clone())
+        if all(torch.equal(d, digests[0]) for d in digests):
+            return
+        sigs = [json.loads(b.decode()) for b in self.comm.all_gather_bytes(text.encode())]
+        raise ReplicaMismatchError(_describe_mismatch(sigs, what))
+
+    # ------------------------------------------------------------------ hooks (override)
+    def _wrap_model(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def _setup(self, prepared: Prepared) -> None:
+        """Called once per prepared model, after rank 0's state was broadcast."""
+
+    def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
+        """Whether the next forward/backward should communicate gradients (accumulation)."""
+
+    def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
+        opt.optimizer.step()
+
+    def _after_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
+        """The strategy's synchronisation after a real (non-skipped) optimizer step."""
+
+    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        """The model users should keep, under the module's own names (collective)."""
+        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+
+    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        """Load a checkpointed model into every replica (collective)."""
+        prepared.module.load_state_dict(state)
+
+    def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        """Extra per-strategy tensors to checkpoint (center, outer momentum...)."""
+        return {}
+
+    def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        """Restore what ``_strategy_state`` returned (keys may be missing: another strategy
+        wrote the checkpoint)."""
+
+    def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """This replica's optimizer state for a checkpoint (a parameter-server strategy reads
+        it from the shards)."""
+        return opt.state_dict()
+
+    def _load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        opt.load_state_dict(state)
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The model to evaluate: the replica's own by default; strategies whose replicas
+        drift apart (elastic averaging, parameter servers) return the consensus model."""
+        return model
+
+    def _extra_metrics(self) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with accumulation (divide by ``accumulation_steps``) and fp16
+        loss scaling; gradient communication failures become ``PeerTimeoutError``."""
+        if self._boundary_done:
+            self._end_accumulation()
+        if self.accumulation_steps > 1:
+            loss = loss / self.accumulation_steps
+        loss = self.precision.scale_loss(loss)
+        try:
+            loss.backward(**kwargs)
+        except RuntimeError as exc:
+            if _is_comm_error(exc):
+                raise self.comm.diagnose(exc, "gradient all-reduce in backward") from exc
+            raise
+        self._micro += 1
+        self._set_next_sync()
+
+    def _set_next_sync(self) -> None:
+        sync = (self._micro + 1) >= self.accumulation_steps
+        for prepared in self._prepared:
+            self._set_grad_sync(prepared, sync)
+
+    def _accumulating(self) -> bool:
+        return 0 < self._micro < self.accumulation_steps and not self._boundary_done
+
+    def _end_accumulation(self) -> None:
+        if self._boundary_done:
+            self._micro = 0
+            self._boundary_done = False
+            self._set_next_sync()
+
+    def _step(self, opt: StrategyOptimizer) -> None:
+        if self._micro == 0 and not self._boundary_done:
+            if self.precision.uses_scaler:
+                raise RuntimeError(
+                    "optimizer.step() without strategy.backward(loss): precision='fp16' scales "
+                    "the loss there. Replace loss.backward() with strategy.backward(loss).")
+            self._micro = self.accumulation_steps  # the user called loss.backward() directly
+        if self._micro < self.accumulation_steps:
+            return  # a micro-batch: gradients keep accumulating, nothing is communicated
+        self._boundary_done = True
+        prepared = opt._prepared
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        nonfinite = self.precision.unscale_and_check(grads)
+        checks_agree = self.precision.uses_scaler or self.precision.on_nonfinite == "skip"
+        if self._synchronous_step and checks_agree and self.num_replicas_in_sync > 1:
+            flag = torch.tensor([1.0 if nonfinite else 0.0])
+            nonfinite = bool(self.comm.all_reduce(flag, "max").item() > 0)
+        if nonfinite:
+            if not self.precision.uses_scaler and self.precision.on_nonfinite == "raise":
+                raise FloatingPointError(self._describe_nonfinite(opt))
+            self.precision.update(True)
+            self._skipped += 1
+            return
+        self._apply_update(prepared, opt)
+        self.precision.update(False)
+        prepared.local_steps += 1
+        self._steps += 1
+        self._after_update(prepared, opt)
+
+    def _describe_nonfinite(self, opt: StrategyOptimizer) -> str:
+        names = opt._prepared.param_names
+        bad = [names.get(id(p), "?") for g in opt.param_groups for p in g["params"]
+               if p.grad is not None and not bool(
+                   torch.isfinite(p.grad._values() if p.grad.is_sparse else p.grad).all())]
+        return (f"non-finite gradient at step {self._steps + 1} on replica {self.replica_id} "
+                f"in parameter(s) {', '.join(bad[:5]) or '?'}. Fix: lower the learning rate or "
+                "clip gradients; or pass on_nonfinite='skip' to skip such steps, or "
+                "precision='fp16' for dynamic loss scaling.")
+
+    # ------------------------------------------------------------------ replica functions
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """Run ``fn(*args, **kwargs)`` in replica context (``sg.get_replica_context()``)."""
+        with _enter_scope(self), _enter_replica(ReplicaContext(self)):
+            return fn(*args, **(kwargs or {}))
+
+    def reduce(self, op: Any, value: Any) -> Any:
+        """Reduce ``value`` across replicas: a tensor, a Python number, or a nested
+        dict/list/tuple of them. Every replica gets the same result."""
+        op = _normalize_op(op)
+        leaves, rebuild = _flatten(value)
+        tensors: list[torch.Tensor] = []
+        kinds: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                t = leaf.detach()
+                kinds.append(("tensor", t.device, t.dtype))
+                if op == "mean" and not t.is_floating_point():
+                    t = t.to(torch.get_default_dtype())
+                tensors.append(t.to("cpu" if self.device.type == "cpu" else self.device).reshape(-1).clone())
+            elif isinstance(leaf, (bool, int, float)):
+                kinds.append(("number", type(leaf)))
+                is_int = isinstance(leaf, int) and op != "mean"
+                tensors.append(torch.tensor([leaf], dtype=torch.int64 if is_int else torch.float64))
+            else:
+                raise TypeError(f"reduce handles tensors, numbers and nested dict/list/tuple; "
+                                f"got {type(leaf).__name__}")
+        if self.num_replicas_in_sync > 1:
+            self._agree([[str(t.dtype), t.numel()] for t in tensors] + [_shape_sig(leaves)],
+                        f"reduce({op!r}) values")
+            self.comm.all_reduce_coalesced(tensors, "sum" if op == "mean" else op)
+            if op == "mean":
+                for t in tensors:
+                    t.div_(self.num_replicas_in_sync)
+        out: list[Any] = []
+        for leaf, kind, t in zip(leaves, kinds, tensors):
+            if kind[0] == "tensor":
+                out.append(t.reshape(leaf.shape).to(kind[1]))
+            else:
+                v = t.item()
+                out.append(kind[1](v) if (kind[1] is int and op != "mean") else float(v))
+        return rebuild(out)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenate ``value`` (tensors, numbers, nested) across replicas along ``axis``;
+        sizes along ``axis`` may differ between replicas."""
+        leaves, rebuild = _flatten(value)
+        out = []
+        for leaf in leaves:
+            t = leaf.detach() if isinstance(leaf, torch.Tensor) else torch.tensor([leaf])
+            if t.dim() == 0:
+                t = t.reshape(1)
+            out.append(self._gather_tensor(t, axis))
+        return rebuild(out)
+
+    def _gather_tensor(self, t: torch.Tensor, axis: int) -> torch.Tensor:
+        if self.num_replicas_in_sync == 1:
+            return t.clone()
+        axis = axis % t.dim()
+        moved = t.movedim(axis, 0).contiguous()
+        rest = list(moved.shape[1:])
+        self._agree([str(t.dtype), rest, t.dim()], f"gather(axis={axis}) values")
+        device = moved.device
+        sizes = [int(s.item()) for s in self.comm.all_gather(torch.tensor([moved.shape[0]]))]
+        padded = torch.zeros([max(sizes)] + rest, dtype=moved.dtype)
+        padded[: moved.shape[0]] = moved.cpu()
+        parts = self.comm.all_gather(padded)
+        result = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+        return result.movedim(0, axis).to(device)
+
+    # ------------------------------------------------------------------ input
+    def distribute_dataset(self, dataset: Any, global_batch_size: int, shuffle: bool = True,
+                           seed: int = 0, drop_remainder: bool = False, **kwargs: Any) -> DistributedLoader:
+        """This replica's share of each global batch; see :class:`DistributedLoader`."""
+        return DistributedLoader(dataset, global_batch_size, num_replicas=self.num_replicas_in_sync,
+                                 replica_id=self.replica_id, shuffle=shuffle, seed=seed,
+                                 drop_remainder=drop_remainder, device=self.device, **kwargs)
+
+    def distribute_datasets_from_function(self, input_fn: Callable[[InputContext], Any]) -> Any:
+        """Call ``input_fn(ctx)`` with this replica's ``InputContext`` and return its result."""
+        ctx = InputContext(num_input_pipelines=self.num_replicas_in_sync,
+                           input_pipeline_id=self.replica_id,
+                           num_replicas_in_sync=self.num_replicas_in_sync)
+        return input_fn(ctx)
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict[str, Any]:
+        """Counters for this replica."""
+        m: dict[str, Any] = {
+            "steps": self._steps,
+            "bytes_sent": self.comm.bytes_sent,
+            "bytes_received": self.comm.bytes_received,
+            "comm_seconds": self.comm.seconds,
+            "skipped_steps": self._skipped,
+            "loss_scale": self.precision.scale,
+        }
+        m.update(self._extra_metrics())
+        return m
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | os.PathLike[str], **state: Any) -> None:
+        """Write a checkpoint directory atomically (collective: call on every replica)."""
+        from .checkpoint import save
+
+        save(self, path, **state)
+
+    def restore(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
+        """Load a checkpoint into the given objects; returns the remaining saved state."""
+        from .checkpoint import restore
+
+        return restore(self, path, **state)
+
+    def _find_prepared(self, model: nn.Module) -> Prepared | None:
+        for p in self._prepared:
+            if model is p.model or model is p.module:
+                return p
+        return None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module behind a prepared model."""
+        prepared = self._find_prepared(model)
+        return prepared.module if prepared is not None else model
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any],
+            dataset: Any, *, epochs: int, global_batch_size: int, **kwargs: Any) -> dict[str, list[float]]:
+        """Train with the same methods a custom loop uses; returns a history dict."""
+        from .fit import fit
+
+        return fit(self, model, optimizer, loss_fn, dataset, epochs=epochs,
+                   global_batch_size=global_batch_size, **kwargs)
+
+    def close(self) -> None:
+        """Release background resources (heartbeat thread, parameter-server channels)."""
+        self.comm.close()
+
+
+# ---------------------------------------------------------------------- helpers
+def _flatten(value: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Leaves of a nested dict/list/tuple and a function rebuilding it from new leaves."""
+    if isinstance(value, dict):
+        keys = list(value.keys())
+        parts = [_flatten(value[k]) for k in keys]
+        leaves = [leaf for p in parts for leaf in p[0]]
+
+        def rebuild_dict(new: list[Any]) -> Any:
+            out, i = {}, 0
+            for k, (sub, rb) in zip(keys, parts):
+                out[k] = rb(new[i:i + len(sub)])
+                i += len(sub)
+            return type(value)(out) if type(value) is not dict else out
+        return leaves, rebuild_dict
+    if isinstance(value, (list, tuple)):
+        parts = [_flatten(v) for v in value]
+        leaves = [leaf for p in parts for leaf in p[0]]
+
+        def rebuild_seq(new: list[Any]) -> Any:
+            items, i = [], 0
+            for sub, rb in parts:
+                items.append(rb(new[i:i + len(sub)]))
+                i += len(sub)
+            if isinstance(value, tuple) and hasattr(value, "_fields"):
+                return type(value)(*items)
+            return type(value)(items)
+        return leaves, rebuild_seq
+    return [value], lambda new: new[0]
+
+
+def _shape_sig(leaves: list[Any]) -> list[Any]:
+    return [list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in leaves]
+
+
+def _describe_mismatch(sigs: list[Any], what: str) -> str:
+    ref = sigs[0]
+    for rank, sig in enumerate(sigs[1:], start=1):
+        if sig == ref:
+            continue
+        if isinstance(ref, list) and isinstance(sig, list):
+            for i, (a, b) in enumerate(zip(ref, sig)):
+                if a != b:
+                    return (f"replicas disagree on {what}: entry {i} is {a} on rank 0 but {b} on "
+                            f"rank {rank}. Fix: build the same model / pass the same structure "
+                            "on every replica (same code, same config).")
+            return (f"replicas disagree on {what}: rank 0 has {len(ref)} entries, rank {rank} has "
+                    f"{len(sig)} (first extra: {(ref if len(ref) > len(sig) else sig)[min(len(ref), len(sig))]}). "
+                    "Fix: build the same model / pass the same structure on every replica.")
+        return f"replicas disagree on {what}: rank 0 has {ref}, rank {rank} has {sig}"
+    return f"replicas disagree on {what}"

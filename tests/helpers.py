@@ -1,0 +1,52 @@
+"""Small models and data shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def make_model(seed: int = 0, d_in: int = 10, hidden: int = 16, d_out: int = 3) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def make_data(n: int = 640, d_in: int = 10, classes: int = 3, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=gen), torch.randint(0, classes, (n,), generator=gen)
+
+
+def train(strategy, data, *, global_batch_size: int = 32, steps: int = 20, lr: float = 0.1,
+          optimizer: str = "sgd", seed: int = 0, shuffle: bool = True):
+    """A custom loop; returns the final state dict (user names) and the metrics."""
+    with strategy.scope():
+        model = make_model(seed)
+        opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+               else torch.optim.Adam(model.parameters(), lr=lr))
+        model, opt = strategy.prepare(model, opt)
+    loader = strategy.distribute_dataset(data, global_batch_size, shuffle=shuffle, seed=3)
+    done, epoch = 0, 0
+    while done < steps * strategy.accumulation_steps:
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            strategy.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == steps * strategy.accumulation_steps:
+                break
+        epoch += 1
+    state = {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()}
+    return state, strategy.metrics()
+
+
+def assert_states_close(a, b, atol=1e-5, rtol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
