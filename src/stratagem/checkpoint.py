@@ -204,6 +204,8 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
                                   metadata={"format": "pt"})
             manifest["objects"][key] = {"kind": "module", "file": name}
             if prepared is not None:
+                manifest["objects"][key]["local_steps"] = prepared.local_steps
+            if prepared is not None:
                 for k, v in strategy._strategy_state(prepared).items():
                     strategy_state[f"{key}/{k}"] = v.detach().cpu().contiguous()
         elif isinstance(obj, torch.optim.Optimizer):
@@ -331,6 +333,7 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
             if prepared is None:
                 obj.load_state_dict(tensors)
             else:
+                prepared.local_steps = int(entry.get("local_steps", prepared.local_steps))
                 strategy._load_model(prepared, tensors)
                 prefix = f"{key}/"
                 strategy._load_strategy_state(prepared, {k[len(prefix):]: v for k, v in

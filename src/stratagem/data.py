@@ -122,6 +122,7 @@ class DistributedLoader:
         """Resume: the next iteration starts at ``step_in_epoch`` of ``epoch``."""
         self.epoch = int(state["epoch"])
         self._start_step = int(state["step_in_epoch"])
+        self.step_in_epoch = self._start_step
 
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:

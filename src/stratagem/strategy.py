@@ -217,10 +217,7 @@ class Strategy:
             if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, StrategyOptimizer):
                 raise TypeError(f"prepare expects torch optimizers after the model, got {type(opt).__name__}")
         model.to(self.device)
-        self._check_replicas(model)
-        with torch.no_grad():
-            state = [t for t in list(model.parameters()) + list(model.buffers())]
-            self.comm.broadcast_coalesced([t.data for t in state], src=0)
+        self._initial_sync(model)
         wrapped = self._wrap_model(model)
         if self.precision.dtype is not None:
             wrapped.forward = self._autocast_forward(wrapped.forward)  # type: ignore[method-assign]
@@ -261,6 +258,16 @@ class Strategy:
         raise ReplicaMismatchError(_describe_mismatch(sigs, what))
 
     # ------------------------------------------------------------------ hooks (override)
+    def _initial_sync(self, model: nn.Module) -> None:
+        """Make replicas start equal: check they built the same model, broadcast rank 0's
+        parameters and buffers. Both are collectives; asynchronous strategies, whose workers
+        must not wait for each other (a restarted worker rejoins a running job), override this
+        and start from the shared state (the center, the global model) instead."""
+        self._check_replicas(model)
+        with torch.no_grad():
+            state = list(model.parameters()) + list(model.buffers())
+            self.comm.broadcast_coalesced([t.data for t in state], src=0)
+
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         return module
 

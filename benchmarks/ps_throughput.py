@@ -1,0 +1,260 @@
+"""Parameter-server push+pull throughput against raw gRPC and a local memory copy.
+
+One step of a Downpour worker (Dean et al. 2012) pushes a gradient for every parameter and
+pulls every parameter back. We time that step for 1-2 shards and 1-4 worker threads over a
+parameter set of ``--mb`` MB, and in the same run the same traffic as bare gRPC calls on the
+same channel options (``Put`` of the shard's gradient bytes, ``Get`` of its parameter bytes,
+no framing, no optimizer) and as a local ``copy_`` of the same bytes. Shards (ours and the raw
+ones) run as separate processes so they do not share the workers' GIL.
+
+    PYTHONPATH=src python benchmarks/ps_throughput.py [--mb 8] [--seconds 2]
+
+Writes benchmarks/results/ps_throughput.{json,md}; prints the table. Target: ours / raw >= 0.7.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from stratagem.ps import wire
+from stratagem.ps.client import PSClient, ShardedParameters
+from stratagem.ps.placement import greedy, specs_of
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RAW_SERVICE = "stratagem.bench.Raw"
+
+
+def make_params(mb: float) -> dict[str, torch.Tensor]:
+    """Mixed sizes like a small CNN/MLP: a few big matrices plus small biases."""
+    total = int(mb * (1 << 20)) // 4
+    sizes = [0.35, 0.25, 0.2, 0.12, 0.08]
+    params: dict[str, torch.Tensor] = {}
+    for i, frac in enumerate(sizes):
+        n = int(total * frac)
+        params[f"layer{i}.weight"] = torch.randn(n // 256, 256)
+        params[f"layer{i}.bias"] = torch.randn(256)
+    return params
+
+
+# -- raw gRPC baseline server -----------------------------------------------------------------
+
+def raw_server_main(port_file: str, nbytes: int, max_bytes: int) -> None:
+    wire.tune_malloc()  # same process settings as our shards (stratagem.ps.server.serve)
+    blob = os.urandom(nbytes)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         options=wire.channel_options(max_bytes))
+    handlers = {
+        "Put": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b""),
+        "Get": grpc.unary_unary_rpc_method_handler(lambda req, ctx: blob),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE,
+                                                                         handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(port_file).write_text(str(port))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(0.2):
+        pass
+    server.stop(0)
+
+
+def spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    fd, port_file = tempfile.mkstemp()
+    os.close(fd)
+    os.unlink(port_file)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, *args, "--port-file", port_file], env=env,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(port_file) or not Path(port_file).read_text().strip():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server {args} did not start")
+        time.sleep(0.05)
+    port = int(Path(port_file).read_text())
+    os.unlink(port_file)
+    return proc, f"127.0.0.1:{port}"
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+# -- measurement ------------------------------------------------------------------------------
+
+def run_workers(num_workers: int, seconds: float, make_step: Callable[[int], Callable[[], int]]
+                ) -> float:
+    """Run ``num_workers`` threads doing steps for ``seconds``; returns MB/s moved in total."""
+    steps = [make_step(i) for i in range(num_workers)]
+    for s in steps:  # warm-up: connections, first optimizer step
+        s()
+    moved = [0] * num_workers
+    start = threading.Barrier(num_workers + 1)
+    end = [0.0]
+
+    def loop(i: int) -> None:
+        start.wait()
+        while time.perf_counter() < end[0]:
+            moved[i] += steps[i]()
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(num_workers)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    end[0] = t0 + seconds
+    start.wait()
+    for t in threads:
+        t.join()
+    return sum(moved) / (time.perf_counter() - t0) / 1e6
+
+
+def ours_step_factory(addrs: list[str], params: dict[str, torch.Tensor]
+                      ) -> Callable[[int], Callable[[], int]]:
+    grads = {k: torch.randn_like(v) * 1e-6 for k, v in params.items()}
+    nbytes = 2 * sum(v.nbytes for v in params.values())
+    # The first worker registers; the others get the existing values back.
+    ShardedParameters(PSClient(addrs), params, optimizer_spec={"name": "sgd", "lr": 1e-3}
+                      ).register()
+
+    def make(_: int) -> Callable[[], int]:
+        table = ShardedParameters(PSClient(addrs), params,
+                                  optimizer_spec={"name": "sgd", "lr": 1e-3})
+        table.register()
+
+        def step() -> int:
+            table.push(grads)
+            table.pull()
+            return nbytes
+        return step
+    return make
+
+
+def raw_step_factory(addrs: list[str], shard_bytes: list[int], max_bytes: int
+                     ) -> Callable[[int], Callable[[], int]]:
+    blobs = [os.urandom(n) for n in shard_bytes]
+
+    def make(_: int) -> Callable[[], int]:
+        chans = [grpc.insecure_channel(a, options=wire.channel_options(max_bytes))
+                 for a in addrs]
+        puts = [c.unary_unary(f"/{RAW_SERVICE}/Put") for c in chans]
+        gets = [c.unary_unary(f"/{RAW_SERVICE}/Get") for c in chans]
+
+        def step() -> int:
+            fs = [p.future(b, timeout=60) for p, b in zip(puts, blobs, strict=True)]
+            [f.result() for f in fs]
+            fs = [g.future(b"", timeout=60) for g in gets]
+            return sum(len(b) for b in blobs) + sum(len(f.result()) for f in fs)
+        return step
+    return make
+
+
+def local_copy_mbps(params: dict[str, torch.Tensor], seconds: float) -> float:
+    src = list(params.values())
+    dst = [torch.empty_like(t) for t in src]
+    nbytes = 2 * sum(t.nbytes for t in src)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for s, d in zip(src, dst, strict=True):  # "push" ...
+            d.copy_(s)
+        for s, d in zip(src, dst, strict=True):  # ... and "pull"
+            s.copy_(d)
+        n += 1
+    return n * nbytes / (time.perf_counter() - t0) / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=float, default=8.0, help="parameter set size in MB")
+    ap.add_argument("--seconds", type=float, default=2.0, help="measurement time per cell")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell")
+    ap.add_argument("--shards", default="1,2")
+    ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port-file", help=argparse.SUPPRESS)
+    ap.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    max_bytes = wire.DEFAULT_MAX_MESSAGE_BYTES
+    if args.raw_server:
+        raw_server_main(args.port_file, args.nbytes, max_bytes)
+        return
+    torch.set_num_threads(1)
+    # Worker-side opt-in; applies to the raw-gRPC workers in this process just the same.
+    tuned = wire.tune_malloc()
+    params = make_params(args.mb)
+    total_mb = sum(v.nbytes for v in params.values()) / 1e6
+    local = local_copy_mbps(params, args.seconds)
+    rows: list[dict[str, Any]] = []
+    for num_shards in [int(x) for x in args.shards.split(",")]:
+        shard_bytes = greedy(specs_of(params), num_shards).shard_bytes
+        for num_workers in [int(x) for x in args.workers.split(",")]:
+            procs: list[subprocess.Popen[bytes]] = []
+            try:
+                ours_addrs, raw_addrs = [], []
+                for n in shard_bytes:
+                    p, a = spawn(["-m", "stratagem.ps.server"])
+                    procs.append(p)
+                    ours_addrs.append(a)
+                    p, a = spawn([__file__, "--raw-server", "--nbytes", str(n)])
+                    procs.append(p)
+                    raw_addrs.append(a)
+                ours_steps = ours_step_factory(ours_addrs, params)
+                raw_steps = raw_step_factory(raw_addrs, shard_bytes, max_bytes)
+                # Alternate short rounds so a change in machine load hits both sides alike.
+                ours_r, raw_r = [], []
+                for _ in range(args.rounds):
+                    ours_r.append(run_workers(num_workers, args.seconds / args.rounds,
+                                              ours_steps))
+                    raw_r.append(run_workers(num_workers, args.seconds / args.rounds,
+                                             raw_steps))
+                ours, raw = sum(ours_r) / len(ours_r), sum(raw_r) / len(raw_r)
+            finally:
+                stop_all(procs)
+            row = {"shards": num_shards, "workers": num_workers, "ours_MBps": round(ours, 1),
+                   "raw_grpc_MBps": round(raw, 1), "ratio": round(ours / raw, 3),
+                   "local_copy_MBps": round(local, 1)}
+            rows.append(row)
+            print(row, flush=True)
+    meta = {"param_MB": round(total_mb, 2), "num_tensors": len(params),
+            "seconds_per_cell": args.seconds, "rounds": args.rounds, "python": platform.python_version(),
+            "torch": torch.__version__, "malloc_tuned": tuned, "grpc": grpc.__version__, "cpus": os.cpu_count(),
+            "command": " ".join(["python", "benchmarks/ps_throughput.py", *sys.argv[1:]])}
+    lines = [f"# Parameter-server throughput ({total_mb:.1f} MB of parameters, push+pull per "
+             "step)", "",
+             "| shards | workers | ours MB/s | raw gRPC MB/s | ours / raw | local copy MB/s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['shards']} | {r['workers']} | {r['ours_MBps']} | {r['raw_grpc_MBps']} | "
+              f"{r['ratio']:.2f} | {r['local_copy_MBps']} |" for r in rows]
+    lines += ["", f"`{meta['command']}` — {meta['cpus']} CPUs, torch {meta['torch']}, grpcio "
+              f"{meta['grpc']}. MB/s counts gradient bytes pushed plus parameter bytes pulled."]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "ps_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                           indent=2) + "\n")
+    (RESULTS / "ps_throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,641 @@
+"""Worker side of the parameter-server runtime: a gRPC client and a sharded parameter table.
+
+:class:`PSClient` talks to the shards (deadline on every call, concurrent calls to different
+shards, byte and time accounting). :class:`ShardedParameters` places a model's tensors on the
+shards (greedy by bytes, small tensors grouped, big ones partitioned: the tf_cnn_benchmarks
+variable manager) and offers the operations strategies need: Downpour SGD pushes and pulls
+(Dean et al. 2012), synchronous aggregation as in TensorFlow's ``SyncReplicasOptimizer``,
+sparse embedding rows, and the asynchronous EASGD elastic exchange (Zhang, Choromanska,
+LeCun 2015).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import grpc
+import torch
+
+from stratagem.errors import ParameterServerUnavailable, PeerTimeoutError, StratagemError
+from stratagem.ps import optim as ps_optim
+from stratagem.ps import wire
+from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
+from stratagem.ps.wire import Entry, Message
+
+__all__ = ["PSClient", "PSFuture", "ShardedParameters", "PushOutcome", "RemoteError"]
+
+T = TypeVar("T")
+Request = tuple[int, str, "Mapping[str, Any] | None", Sequence[Entry]]
+
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED)
+_COMPRESS = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_STATUS_RANK = {"applied": 0, "accumulated": 1, "dropped": 2}
+
+
+class RemoteError(StratagemError):
+    """A shard answered but refused the request; ``code`` is the gRPC status name."""
+
+    def __init__(self, message: str, *, code: str, address: str) -> None:
+        super().__init__(message)
+        self.code, self.address = code, address
+
+
+class PushOutcome(NamedTuple):
+    """What a shard did with one pushed gradient."""
+
+    staleness: int  # shard version minus the version the gradient was computed on
+    status: str  # "applied", "accumulated" (sync, waiting for more replicas) or "dropped"
+    version: int  # the tensor's version after the push
+
+    @property
+    def applied(self) -> bool:
+        """The optimizer ran with this gradient (alone, or as part of a sync mean)."""
+        return self.status == "applied"
+
+    @property
+    def accepted(self) -> bool:
+        """Not dropped: applied, or held for the sync mean of this version."""
+        return self.status != "dropped"
+
+
+class PSFuture(Generic[T]):
+    """Calls in flight to one or more shards; :meth:`result` waits (bounded by the deadline)."""
+
+    def __init__(self, client: PSClient, calls: list[tuple[int, str, Any, float]],
+                 finish: Callable[[list[Message]], T], t_issue: float) -> None:
+        self._client, self._calls, self._finish = client, calls, finish
+        self._seconds = t_issue
+        self._lock = threading.Lock()
+        self._value: tuple[T] | None = None
+
+    def done(self) -> bool:
+        return all(c[2].done() for c in self._calls)
+
+    def result(self) -> T:
+        with self._lock:
+            if self._value is None:
+                t0 = time.perf_counter()
+                try:
+                    msgs = [self._client._receive(*c) for c in self._calls]
+                finally:
+                    self._client._account(0, 0, self._seconds + time.perf_counter() - t0)
+                self._value = (self._finish(msgs),)
+            return self._value[0]
+
+
+class PSClient:
+    """gRPC connections to the parameter-server shards.
+
+    Failure behaviour: a shard that does not answer within ``timeout`` seconds, or whose
+    connection is down, raises :class:`stratagem.errors.ParameterServerUnavailable` naming its
+    ``host:port`` (no call waits longer than its deadline); a shard that refuses a request
+    raises :class:`RemoteError` with the gRPC status and the shard's explanation.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, token: str | None = None,
+                 tls_root_cert: bytes | str | os.PathLike[str] | None = None,
+                 tls_server_name: str | None = None, timeout: float = 60.0,
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        if isinstance(addresses, str) or not addresses:
+            raise ValueError(f"addresses must be a non-empty list of 'host:port', got "
+                             f"{addresses!r}; e.g. STRATAGEM_PS_ADDRS.split(',')")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        self.addresses = list(addresses)
+        self.timeout = float(timeout)
+        self.limits = wire.Limits(max_message_bytes=max_message_bytes)
+        if token is None:
+            token = os.environ.get("STRATAGEM_PS_TOKEN") or None
+        self._metadata = ((wire.TOKEN_METADATA_KEY, token),) if token else None
+        options = wire.channel_options(max_message_bytes)
+        if tls_root_cert is not None:
+            root = tls_root_cert if isinstance(tls_root_cert, bytes) else open(
+                tls_root_cert, "rb").read()
+            creds = grpc.ssl_channel_credentials(root_certificates=root)
+            if tls_server_name:
+                options = [*options, ("grpc.ssl_target_name_override", tls_server_name)]
+            self._channels = [grpc.secure_channel(a, creds, options=options)
+                              for a in self.addresses]
+        else:
+            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        # request_serializer/response_deserializer None: raw bytes both ways.
+        self._stubs = [ch.unary_unary(wire.METHOD) for ch in self._channels]
+        self._stats_lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.comm_seconds = 0.0
+        self.num_calls = 0
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _account(self, sent: int, received: int, seconds: float, calls: int = 0) -> None:
+        with self._stats_lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+            self.comm_seconds += seconds
+            self.num_calls += calls
+
+    def _receive(self, shard: int, op: str, fut: Any, timeout: float) -> Message:
+        addr = self.addresses[shard]
+        try:
+            data = fut.result()
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in _UNAVAILABLE:
+                raise ParameterServerUnavailable(
+                    f"parameter-server shard {addr} did not answer {op!r} within {timeout:g} s "
+                    f"({code.name}: {exc.details()}); check that the shard process is running "
+                    "and reachable (STRATAGEM_PS_ADDRS), or raise timeout=", address=addr
+                ) from None
+            raise RemoteError(f"parameter-server shard {addr} refused {op!r}: {code.name}: "
+                              f"{exc.details()}", code=code.name, address=addr) from None
+        self._account(0, len(data), 0.0)
+        try:
+            return wire.decode(data, self.limits)
+        except wire.WireError as exc:
+            raise RemoteError(f"parameter-server shard {addr} sent a malformed reply to {op!r}: "
+                              f"{exc}", code="DATA_LOSS", address=addr) from None
+
+    def submit(self, requests: Sequence[Request], finish: Callable[[list[Message]], T],
+               *, timeout: float | None = None) -> PSFuture[T]:
+        """Send all ``requests`` at once (concurrently); ``finish`` maps the replies."""
+        t0 = time.perf_counter()
+        deadline = self.timeout if timeout is None else timeout
+        calls = []
+        sent = 0
+        for shard, op, fields, entries in requests:
+            data = wire.encode(op, fields, entries)
+            if len(data) > self.limits.max_message_bytes:
+                raise ValueError(f"{op!r} to shard {self.addresses[shard]} is {len(data)} bytes, "
+                                 f"above max_message_bytes={self.limits.max_message_bytes}; "
+                                 "use more shards or a partitioner to split big tensors")
+            sent += len(data)
+            fut = self._stubs[shard].future(data, timeout=deadline, metadata=self._metadata)
+            calls.append((shard, op, fut, deadline))
+        self._account(sent, 0, 0.0, len(calls))
+        return PSFuture(self, calls, finish, time.perf_counter() - t0)
+
+    def call(self, shard: int, op: str, fields: Mapping[str, Any] | None = None,
+             entries: Sequence[Entry] = (), *, timeout: float | None = None) -> Message:
+        """One call to one shard."""
+        return self.submit([(shard, op, fields, entries)], lambda m: m[0],
+                           timeout=timeout).result()
+
+    # -- whole-cluster operations ---------------------------------------------------------
+
+    def health(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Each shard's health fields (tensor count, bytes, versions, dropped gradients)."""
+        fut = self.submit([(i, "health", None, ()) for i in range(self.num_shards)],
+                          lambda ms: [m.fields for m in ms], timeout=timeout)
+        return fut.result()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until every shard answers ``health`` (shards may start after the workers)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.health(timeout=max(0.1, min(2.0, remaining)))
+                return
+            except ParameterServerUnavailable:
+                if remaining <= 0:
+                    raise
+                time.sleep(min(0.1, max(0.0, remaining)))
+
+    def shutdown(self, shards: Sequence[int] | None = None) -> None:
+        """Ask shards to stop (needs the token when the shards use one)."""
+        idx = range(self.num_shards) if shards is None else shards
+        self.submit([(i, "shutdown", None, ()) for i in idx], lambda ms: None).result()
+
+    def stats(self) -> dict[str, float]:
+        with self._stats_lock:
+            return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                    "comm_seconds": self.comm_seconds, "calls": self.num_calls}
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
+    return t if p.num_parts == 1 else t[p.row_start:p.row_end]
+
+
+class ShardedParameters:
+    """A model's named tensors living on parameter-server shards.
+
+    ``params`` (ordered ``name -> tensor``) is placed on the client's shards (deterministic:
+    every worker computes the same placement), then :meth:`register` creates the tensors on
+    the shards, or returns the existing values if another worker registered first.
+
+    ``mode``: ``"async"`` (Downpour: each gradient applied on arrival, optionally dropped when
+    more than ``max_staleness`` versions old), ``"sync"`` (the mean of ``replicas_to_aggregate``
+    gradients of the current version is applied; late ones are dropped) or ``"elastic"``
+    (EASGD center variables, changed only by :meth:`elastic_exchange`).
+
+    Failure behaviour: as :class:`PSClient` (``ParameterServerUnavailable`` naming the shard);
+    :meth:`wait_version` raises :class:`stratagem.errors.PeerTimeoutError` when the version is
+    not reached in time. Tensors returned by pulls may share memory with the received message
+    (no copy); they are private to the caller and safe to modify.
+    """
+
+    def __init__(self, client: PSClient, params: Mapping[str, torch.Tensor], *,
+                 mode: str = "async", optimizer_spec: Mapping[str, Any] | None = None,
+                 optimizer_specs: Mapping[str, Mapping[str, Any]] | None = None,
+                 replicas_to_aggregate: int = 1, max_staleness: int | None = None,
+                 partitioner: Partitioner | None = None, small_tensor_bytes: int = 65536,
+                 placement: str = "greedy") -> None:
+        if mode not in ("async", "sync", "elastic"):
+            raise ValueError(f"mode must be 'async', 'sync' or 'elastic', got {mode!r}")
+        if mode != "elastic" and optimizer_spec is None and not optimizer_specs:
+            raise ValueError(f"mode {mode!r} needs optimizer_spec (e.g. "
+                             "stratagem.ps.optim.optimizer_spec(torch_optimizer))")
+        if not isinstance(replicas_to_aggregate, int) or replicas_to_aggregate < 1:
+            raise ValueError(f"replicas_to_aggregate must be a positive integer, got "
+                             f"{replicas_to_aggregate!r}")
+        if max_staleness is not None and (not isinstance(max_staleness, int) or
+                                          max_staleness < 0):
+            raise ValueError(f"max_staleness must be None or an integer >= 0, got "
+                             f"{max_staleness!r}")
+        self.client, self.mode = client, mode
+        self.replicas_to_aggregate, self.max_staleness = replicas_to_aggregate, max_staleness
+        self._params = params
+        self._shapes = {k: tuple(t.shape) for k, t in params.items()}
+        self._dtypes = {k: t.dtype for k, t in params.items()}
+        specs: dict[str, dict[str, Any] | None] = {}
+        for name in params:
+            s = (optimizer_specs or {}).get(name, optimizer_spec)
+            if mode == "elastic":
+                s = None
+            elif s is not None:
+                ps_optim.validate_spec(s)
+                s = dict(s)
+            specs[name] = s
+        self._specs = specs
+        self.placement: Placement = place(specs_of(params), client.num_shards,
+                                          strategy=placement,
+                                          small_tensor_bytes=small_tensor_bytes,
+                                          partitioner=partitioner)
+        self._parts = {name: self.placement.parts_of(name) for name in params}
+        self._versions: dict[str, int] = {}
+        self._vlock = threading.Lock()
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """Per tensor, the (lowest part's) version of the values this worker last received."""
+        with self._vlock:
+            return {n: min(self._versions.get(p.key, -1) for p in parts)
+                    for n, parts in self._parts.items()}
+
+    def stats(self) -> dict[str, float]:
+        return self.client.stats()
+
+    def _check(self, name: str) -> list[Part]:
+        parts = self._parts.get(name)
+        if parts is None:
+            raise KeyError(f"{name!r} is not one of the sharded tensors; known: "
+                           f"{self.names[:5]}{'...' if len(self._parts) > 5 else ''}")
+        return parts
+
+    def _by_shard(self, names: Sequence[str]) -> dict[int, list[Part]]:
+        out: dict[int, list[Part]] = {}
+        for n in names:
+            for p in self._check(n):
+                out.setdefault(p.shard, []).append(p)
+        return out
+
+    def _assemble(self, msgs: Sequence[Message], names: Sequence[str],
+                  into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        with self._vlock:
+            for m in msgs:
+                for e in m.entries:
+                    got[e.name] = e.tensor
+                    if e.version is not None:
+                        self._versions[e.name] = e.version
+        out: dict[str, torch.Tensor] = {}
+        for n in names:
+            parts = self._parts[n]
+            if into is not None and n in into:
+                dst = into[n]
+                with torch.no_grad():
+                    for p in parts:
+                        _rows(dst, p).copy_(got[p.key])
+                out[n] = dst
+            elif len(parts) == 1:
+                out[n] = got[parts[0].key]
+            else:
+                out[n] = torch.cat([got[p.key] for p in parts])
+        return out
+
+    # -- operations -----------------------------------------------------------------------
+
+    def register(self) -> dict[str, torch.Tensor]:
+        """Create the tensors on the shards (first registration wins); returns current values."""
+        distinct: list[dict[str, Any]] = []
+        reqs: list[Request] = []
+        for shard, parts in sorted(self._by_shard(self.names).items()):
+            metas, entries = [], []
+            for p in parts:
+                spec = self._specs[p.name]
+                idx = None
+                if spec is not None:
+                    if spec not in distinct:
+                        distinct.append(spec)
+                    idx = distinct.index(spec)
+                metas.append({"mode": self.mode, "spec": idx,
+                              "replicas_to_aggregate": self.replicas_to_aggregate})
+                entries.append(Entry(p.key, _rows(self._params[p.name], p)))
+            reqs.append((shard, "register", {"entries": metas, "specs": distinct}, entries))
+        names = self.names
+        return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
+
+    def pull_async(self, names: Sequence[str] | None = None, *,
+                   into: Mapping[str, torch.Tensor] | None = None
+                   ) -> PSFuture[dict[str, torch.Tensor]]:
+        """Start pulling (e.g. next step's parameters while this step computes)."""
+        names = self.names if names is None else list(names)
+        reqs: list[Request] = [(s, "pull", {"names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(names).items())]
+        return self.client.submit(reqs, lambda ms: self._assemble(ms, names, into))
+
+    def pull(self, names: Sequence[str] | None = None, *,
+             into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Current values (copied into ``into[name]`` where given, e.g. the model's params)."""
+        return self.pull_async(names, into=into).result()
+
+    def _base(self, p: Part, base_versions: Mapping[str, int] | int | None) -> int:
+        if isinstance(base_versions, int):
+            return base_versions
+        if base_versions is not None and p.name in base_versions:
+            return int(base_versions[p.name])
+        with self._vlock:
+            v = self._versions.get(p.key)
+        if v is None:
+            raise ValueError(f"no base version for {p.name!r}: call register() or pull() first, "
+                             "or pass base_versions")
+        return v
+
+    def push_async(self, grads: Mapping[str, torch.Tensor],
+                   base_versions: Mapping[str, int] | int | None = None, *,
+                   compress: str | None = None, max_staleness: int | None = None
+                   ) -> PSFuture[dict[str, PushOutcome]]:
+        """Start pushing gradients computed on ``base_versions`` (default: last pulled)."""
+        if compress not in _COMPRESS:
+            raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
+        cdtype = _COMPRESS[compress]
+        names = list(grads)
+        by_shard = self._by_shard(names)
+        reqs: list[Request] = []
+        order: list[list[Part]] = []
+        for shard, parts in sorted(by_shard.items()):
+            entries = []
+            for p in parts:
+                g = grads[p.name]
+                if tuple(g.shape) != self._shapes[p.name]:
+                    raise ValueError(f"gradient for {p.name!r} has shape {tuple(g.shape)}, the "
+                                     f"parameter has {self._shapes[p.name]}")
+                g = _rows(g, p)
+                if cdtype is not None and g.is_floating_point():
+                    g = g.to(cdtype)
+                entries.append(Entry(p.key, g, self._base(p, base_versions)))
+            ms = self.max_staleness if max_staleness is None else max_staleness
+            reqs.append((shard, "push", {"max_staleness": ms}, entries))
+            order.append(parts)
+
+        def finish(msgs: list[Message]) -> dict[str, PushOutcome]:
+            per_part: dict[str, list[PushOutcome]] = {}
+            for parts, m in zip(order, msgs, strict=True):
+                for p, r in zip(parts, m.fields["results"], strict=True):
+                    per_part.setdefault(p.name, []).append(PushOutcome(*r))
+            return {n: _combine(per_part[n]) for n in names}
+
+        return self.client.submit(reqs, finish)
+
+    def push(self, grads: Mapping[str, torch.Tensor],
+             base_versions: Mapping[str, int] | int | None = None, *,
+             compress: str | None = None, max_staleness: int | None = None
+             ) -> dict[str, PushOutcome]:
+        """Push gradients; returns per tensor the staleness and what the shard did."""
+        return self.push_async(grads, base_versions, compress=compress,
+                               max_staleness=max_staleness).result()
+
+    def _row_parts(self, name: str, indices: torch.Tensor
+                   ) -> list[tuple[Part, torch.Tensor, torch.Tensor]]:
+        parts = self._check(name)
+        shape = self._shapes[name]
+        if len(shape) < 1:
+            raise ValueError(f"{name!r} is a scalar; rows need a tensor with dim >= 1")
+        idx = torch.as_tensor(indices).to(torch.int64).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
+            raise IndexError(f"row indices for {name!r} must be in [0, {shape[0]}), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        out = []
+        for p in parts:
+            mask = (idx >= p.row_start) & (idx < p.row_end)
+            if p.num_parts == 1 or bool(mask.any()):
+                out.append((p, mask, idx[mask] - p.row_start))
+        return out
+
+    def pull_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """Rows ``indices`` of 2-D+ tensor ``name`` (e.g. the embeddings of a batch's tokens)."""
+        routed = self._row_parts(name, indices)
+        reqs: list[Request] = [(p.shard, "pull_rows", {"name": p.key},
+                                [Entry("indices", local)]) for p, _, local in routed]
+        n = int(torch.as_tensor(indices).numel())
+
+        def finish(msgs: list[Message]) -> torch.Tensor:
+            if len(routed) == 1 and routed[0][0].num_parts == 1:
+                return msgs[0].entries[0].tensor
+            out = torch.empty((n, *self._shapes[name][1:]), dtype=self._dtypes[name])
+            for (_, mask, _), m in zip(routed, msgs, strict=True):
+                out[mask] = m.entries[0].tensor
+            return out
+
+        return self.client.submit(reqs, finish).result()
+
+    def push_sparse(self, name: str, indices: torch.Tensor, values: torch.Tensor, *,
+                    base_version: int | None = None, compress: str | None = None,
+                    max_staleness: int | None = None) -> PushOutcome:
+        """Push the gradient rows ``values`` of rows ``indices`` (duplicates are summed)."""
+        if compress not in _COMPRESS:
+            raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
+        routed = self._row_parts(name, indices)
+        values = values.reshape(-1, *self._shapes[name][1:])
+        cdtype = _COMPRESS[compress]
+        if cdtype is not None:
+            values = values.to(cdtype)
+        ms = self.max_staleness if max_staleness is None else max_staleness
+        reqs: list[Request] = []
+        for p, mask, local in routed:
+            base = base_version if base_version is not None else self._base(p, None)
+            reqs.append((p.shard, "push_sparse", {"name": p.key, "max_staleness": ms},
+                         [Entry("indices", local), Entry("values", values[mask], base)]))
+        return self.client.submit(
+            reqs, lambda ms_: _combine([PushOutcome(*m.fields["results"][0]) for m in ms_])
+        ).result()
+
+    def elastic_exchange(self, params: Mapping[str, torch.Tensor], moving_rate: float
+                         ) -> dict[str, torch.Tensor]:
+        """EASGD: per tensor ``d = x - center; center += moving_rate * d``; returns ``d``.
+
+        The caller then applies ``x -= moving_rate * d`` to its local copy.
+        """
+        if not 0.0 < float(moving_rate) <= 1.0:
+            raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
+        names = list(params)
+        reqs: list[Request] = [
+            (s, "elastic", {"moving_rate": float(moving_rate)},
+             [Entry(p.key, _rows(params[p.name].detach(), p)) for p in parts])
+            for s, parts in sorted(self._by_shard(names).items())]
+        return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
+
+    def wait_version(self, min_version: int, timeout: float | None = None
+                     ) -> dict[str, torch.Tensor]:
+        """Block until every tensor reaches ``min_version``; returns the values then.
+
+        Raises :class:`stratagem.errors.PeerTimeoutError` after ``timeout`` seconds (default:
+        the client's timeout) if it was not reached, e.g. because workers died.
+        """
+        wait = self.client.timeout if timeout is None else float(timeout)
+        names = self.names
+        pending = dict(sorted(self._by_shard(names).items()))
+        got: list[Message] = []
+        deadline = time.monotonic() + wait
+        # Shards bound each wait (and answer early when busy), so poll until our deadline.
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            shards = list(pending)
+            reqs: list[Request] = [(s, "wait_version", {"min_version": int(min_version),
+                                                        "timeout": remaining,
+                                                        "names": [p.key for p in pending[s]]},
+                                    ()) for s in shards]
+            msgs = self.client.submit(reqs, lambda ms: ms,
+                                      timeout=remaining + self.client.timeout).result()
+            for s, m in zip(shards, msgs, strict=True):
+                if m.fields.get("reached"):
+                    got.append(m)
+                    del pending[s]
+            if not pending:
+                return self._assemble(got, names)
+            if time.monotonic() >= deadline:
+                break
+        late = [self.client.addresses[s] for s in pending]
+        lows = {e.name: e.version for m in msgs for e in m.entries
+                if e.version is not None and e.version < min_version}
+        raise PeerTimeoutError(
+            f"parameter-server shard(s) {late} did not reach version {min_version} within "
+            f"{wait:g} s (still at {dict(list(lows.items())[:3])}): fewer than "
+            f"replicas_to_aggregate={self.replicas_to_aggregate} workers pushed; check for "
+            "dead workers or lower replicas_to_aggregate")
+
+    def set_hyperparameters(self, **hyperparams: Any) -> None:
+        """Change optimizer hyperparameters on the shards (e.g. ``lr`` from a scheduler)."""
+        hyper = {k: ps_optim._jsonable(k, v) for k, v in hyperparams.items()}
+        for _name, spec in self._specs.items():
+            if spec is not None:
+                ps_optim.validate_spec({**spec, **hyper})
+                spec.update(hyper)
+        reqs: list[Request] = [(s, "set_hyperparams", {"hyperparams": hyper,
+                                                       "names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(self.names).items())]
+        self.client.submit(reqs, lambda ms: None).result()
+
+    def get_state(self) -> dict[str, Any]:
+        """Everything needed to restore the shards, independent of the placement.
+
+        ``{"params": {name: tensor}, "optimizer": {name: {state_key: tensor}},
+        "versions": {name: int}}``; partitioned tensors are reassembled.
+        """
+        names = self.names
+        reqs: list[Request] = [(s, "get_state", {"names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(names).items())]
+        msgs = self.client.submit(reqs, lambda ms: ms).result()
+        params: dict[str, torch.Tensor] = {}
+        opt: dict[str, dict[str, torch.Tensor]] = {}
+        versions: dict[str, int] = {}
+        by_key: dict[str, tuple[dict[str, Any], Message]] = {}
+        for m in msgs:
+            for meta in m.fields["slots"]:
+                by_key[meta["name"]] = (meta, m)
+        for n in names:
+            parts = self._parts[n]
+            metas = [by_key[p.key] for p in parts]
+            vals = [m.entries[meta["param"]].tensor for meta, m in metas]
+            params[n] = vals[0] if len(vals) == 1 else torch.cat(vals)
+            versions[n] = min(meta["version"] for meta, _ in metas)
+            state: dict[str, torch.Tensor] = {}
+            meta0 = metas[0][0]
+            for k in meta0["opt"]:
+                pieces = [m.entries[meta["opt"][k]].tensor for meta, m in metas]
+                rowwise = all(t.dim() == len(p.shape) and t.dim() > 0 and t.shape[0] == p.shape[0]
+                              for t, p in zip(pieces, parts, strict=True))
+                state[k] = torch.cat(pieces) if rowwise and len(pieces) > 1 else pieces[0]
+            for k, v in meta0["scalars"].items():
+                state[k] = torch.tensor(v)
+            opt[n] = state
+        return {"params": params, "optimizer": opt, "versions": versions}
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`get_state` output (from any placement) onto the shards."""
+        params = state["params"]
+        opt = state.get("optimizer", {})
+        versions = state.get("versions", {})
+        missing = [n for n in self.names if n not in params]
+        if missing:
+            raise KeyError(f"state has no value for {missing[:3]}; it was saved from a "
+                           "different model")
+        reqs: list[Request] = []
+        for shard, parts in sorted(self._by_shard(self.names).items()):
+            metas: list[dict[str, Any]] = []
+            entries: list[Entry] = []
+            for p in parts:
+                value = params[p.name]
+                if tuple(value.shape) != self._shapes[p.name]:
+                    raise ValueError(f"state[{p.name!r}] has shape {tuple(value.shape)}, the "
+                                     f"parameter has {self._shapes[p.name]}")
+                meta: dict[str, Any] = {
+                    "name": p.key, "version": int(versions.get(p.name, 0)), "mode": self.mode,
+                    "spec": self._specs[p.name], "param": len(entries),
+                    "replicas_to_aggregate": self.replicas_to_aggregate, "opt": {}}
+                entries.append(Entry(p.key, _rows(value.to(self._dtypes[p.name]), p)))
+                for k, t in opt.get(p.name, {}).items():
+                    rowwise = t.dim() == len(value.shape) and t.dim() > 0 and (
+                        t.shape[0] == value.shape[0])
+                    meta["opt"][k] = len(entries)
+                    entries.append(Entry(f"{p.key}.{k}", _rows(t, p) if rowwise else t))
+                metas.append(meta)
+            reqs.append((shard, "set_state", {"slots": metas}, entries))
+        self.client.submit(reqs, lambda ms: None).result()
+        with self._vlock:
+            for n, parts in self._parts.items():
+                for p in parts:
+                    self._versions[p.key] = int(versions.get(n, 0))
+
+
+def _combine(outcomes: Sequence[PushOutcome]) -> PushOutcome:
+    """One outcome for a partitioned tensor: the worst status, max staleness, min version."""
+    status = max((o.status for o in outcomes), key=_STATUS_RANK.__getitem__)
+    return PushOutcome(max(o.staleness for o in outcomes), status,
+                       min(o.version for o in outcomes))

@@ -1,0 +1,109 @@
+"""Optimizer specs: the user's ``torch.optim`` optimizer rebuilt on the parameter-server shards.
+
+As in TensorFlow's parameter-server training (and Downpour SGD, Dean et al. 2012), the update
+rule runs where the parameters live. A worker describes its optimizer as a JSON spec
+``{"name": "adam", "lr": 1e-3, "betas": [0.9, 0.999], ...}`` and each shard builds the real
+``torch.optim`` class over its tensors, one optimizer per tensor. That is exact for the
+supported optimizers because all of them (SGD, Adam, AdamW, RMSprop, Adagrad) update every
+element independently, and it lets different tensors be updated concurrently.
+
+Sparse gradients (rows of an ``nn.Embedding``) are applied as torch sparse gradients where
+torch's optimizer supports them *and* the result equals the dense update: SGD without momentum
+or weight decay, Adagrad without weight decay. For every other configuration the rows are
+scattered into a dense zero gradient first, which is exactly what a dense backward would give.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["OPTIMIZERS", "optimizer_spec", "validate_spec", "build_optimizer",
+           "supports_sparse", "hyperparameters"]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "rmsprop": torch.optim.RMSprop,
+    "adagrad": torch.optim.Adagrad,
+}
+_NAMES = {cls: name for name, cls in OPTIMIZERS.items()}
+# Implementation switches that depend on the device, not the maths; the shard chooses its own.
+_IGNORED = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _allowed(cls: type[torch.optim.Optimizer]) -> set[str]:
+    params = inspect.signature(cls.__init__).parameters
+    return {p for p in params if p not in ("self", "params")} - _IGNORED
+
+
+def _jsonable(key: str, value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (bool, int, float)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
+        return [float(v) for v in value]
+    raise TypeError(f"optimizer hyperparameter {key}={value!r} cannot be sent to the "
+                    "parameter servers; use numbers, booleans or tuples of numbers")
+
+
+def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0) -> dict[str, Any]:
+    """The spec of ``optimizer``'s param group ``group`` (raises ``TypeError`` if unsupported)."""
+    name = _NAMES.get(type(optimizer))
+    if name is None:
+        raise TypeError(f"optimizer {type(optimizer).__name__} cannot run on parameter-server "
+                        f"shards; supported: {[c.__name__ for c in OPTIMIZERS.values()]}")
+    allowed = _allowed(type(optimizer))
+    spec: dict[str, Any] = {"name": name}
+    for k, v in optimizer.param_groups[group].items():
+        if k in allowed:
+            spec[k] = _jsonable(k, v)
+    return spec
+
+
+def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Check a spec; returns the hyperparameters. Raises ``ValueError`` naming what is wrong."""
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise ValueError(f"optimizer spec must be a dict with a string 'name', got {spec!r}")
+    cls = OPTIMIZERS.get(spec["name"].lower())
+    if cls is None:
+        raise ValueError(f"unknown optimizer {spec['name']!r}; valid: {sorted(OPTIMIZERS)}")
+    allowed = _allowed(cls)
+    hyper = {k: v for k, v in spec.items() if k != "name" and k not in _IGNORED}
+    unknown = sorted(set(hyper) - allowed)
+    if unknown:
+        raise ValueError(f"optimizer {spec['name']!r} has no hyperparameter(s) {unknown}; "
+                         f"valid: {sorted(allowed)}")
+    for k, v in hyper.items():
+        hyper[k] = tuple(v) if isinstance(v, list) else _jsonable(k, v)
+    return hyper
+
+
+def build_optimizer(spec: Mapping[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
+    """Build the torch optimizer of ``spec`` over the single tensor ``param``."""
+    hyper = validate_spec(spec)
+    cls = OPTIMIZERS[spec["name"].lower()]
+    try:
+        return cls([param], **hyper)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"optimizer spec {dict(spec)!r} was refused by torch: {exc}") from None
+
+
+def supports_sparse(spec: Mapping[str, Any]) -> bool:
+    """Whether a torch sparse gradient gives exactly the dense update under ``spec``."""
+    name = spec["name"].lower()
+    wd = spec.get("weight_decay", 0) or 0
+    if name == "sgd":
+        return not (spec.get("momentum", 0) or 0) and not wd and not spec.get("maximize")
+    return name == "adagrad" and not wd and not spec.get("maximize")
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The JSON-able hyperparameters of a shard optimizer's single group."""
+    allowed = _allowed(type(optimizer))
+    return {k: _jsonable(k, v) for k, v in optimizer.param_groups[0].items() if k in allowed}

@@ -1,0 +1,320 @@
+"""The parameter-server wire format: a fixed binary frame, a strict JSON header, raw tensor bytes.
+
+The parameter-server service (TensorFlow's ``ps``/``worker`` jobs; Downpour SGD, Dean et al.
+2012) moves parameters and gradients between workers and shards over gRPC. Every request and
+reply is one gRPC message of raw ``bytes`` (identity serializers, no protoc codegen) laid out
+as::
+
+    offset 0   4 bytes   magic b"SGPS"
+    offset 4   u16 LE    format version (1)
+    offset 6   u16 LE    flags (must be 0)
+    offset 8   u32 LE    header length H
+    offset 12  H bytes   UTF-8 JSON header
+    ...        padding   zeros up to the next multiple of 8 (the payload start)
+    payload    tensor bytes, each at an 8-aligned offset relative to the payload start
+
+The header is ``{"op": str, "fields": {...}, "tensors": [entry, ...]}`` and each entry is
+``{"name", "dtype", "shape", "offset", "nbytes"}`` plus an optional integer ``"version"``.
+
+Nothing is ever unpickled: a message is validated completely (sizes, header length, JSON
+schema, dtype allow-list, ``prod(shape) * itemsize == nbytes``, bounds, counts) before a single
+tensor is materialised, and tensors are zero-copy views (``torch.frombuffer``) of the received
+``bytes``. A malformed message raises :class:`WireError` carrying the gRPC status the server
+answers with (``INVALID_ARGUMENT`` or ``RESOURCE_EXHAUSTED``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stratagem.errors import StratagemError
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "METHOD",
+    "TOKEN_METADATA_KEY",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DTYPES",
+    "Limits",
+    "Entry",
+    "Message",
+    "WireError",
+    "encode",
+    "decode",
+    "channel_options",
+    "tune_malloc",
+]
+
+MAGIC = b"SGPS"
+FORMAT_VERSION = 1
+#: The single gRPC method every operation goes through (the op is named in the header).
+METHOD = "/stratagem.ps.v1.Shard/Call"
+TOKEN_METADATA_KEY = "x-stratagem-token"
+#: gRPC caps a message at 2 GiB - 1; 1 GiB leaves room and is far above a typical shard slice.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+_PREFIX = struct.Struct("<4sHHI")
+_ALIGN = 8
+
+#: The dtypes allowed on the wire (name on the wire -> torch dtype).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ENTRY_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes", "version"})
+_ENTRY_REQUIRED = _ENTRY_KEYS - {"version"}
+_HEADER_KEYS = frozenset({"op", "fields", "tensors"})
+
+# torch warns (once per process) that a tensor over a read-only ``bytes`` buffer could write
+# into it. We own every received buffer exclusively (gRPC hands us a fresh object of more than
+# one byte, never a cached one), so writing is harmless; consume the one-time warning here so
+# it never reaches users in the middle of training.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0" * 8, dtype=torch.uint8)
+
+
+class WireError(StratagemError):
+    """A message broke the wire format or its limits; ``status`` is the gRPC status name."""
+
+    def __init__(self, message: str, *, status: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds checked on every message before anything is allocated."""
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_header_bytes: int = 16 << 20
+    max_tensors: int = 100_000
+    max_name_chars: int = 1024
+    max_ndim: int = 8
+    max_json_depth: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.max_message_bytes <= (1 << 31) - 1:
+            raise ValueError(
+                f"max_message_bytes must be in [1024, 2**31 - 1] (gRPC's limit), got "
+                f"{self.max_message_bytes}; pass a value in that range")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in a message: a name, the tensor, and an optional version number."""
+
+    name: str
+    tensor: torch.Tensor
+    version: int | None = None
+
+
+@dataclass
+class Message:
+    """A decoded message. Tensors share memory with the received bytes (no copy)."""
+
+    op: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    entries: list[Entry] = field(default_factory=list)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {e.name: e.tensor for e in self.entries}
+
+    def versions(self) -> dict[str, int]:
+        return {e.name: e.version for e in self.entries if e.version is not None}
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """gRPC options for both ends: explicit message caps (gRPC's default receive cap is 4 MB)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def tune_malloc() -> bool:
+    """Make glibc keep freed message-sized blocks instead of returning them to the kernel.
+
+    Every message is a fresh multi-megabyte ``bytes``; by default glibc hands such blocks back
+    to the kernel on free (``mmap``/trim), so the next message pays a page fault per 4 KiB
+    page, which measured here as half the cost of a push. Raising the mmap and trim thresholds
+    lets those blocks be reused. It is process-wide, so the shard process (:func:`serve`) does
+    it and workers may opt in. Returns False where it does not apply (not glibc).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        # 32 MiB is glibc's largest mmap threshold on 64-bit; bigger blocks are mmapped anyway.
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20)
+        ok &= libc.mallopt(m_trim_threshold, 256 << 20)
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """A flat byte view of ``t`` (copies only if ``t`` is not a contiguous CPU tensor)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    arr: Any = t.reshape(-1).contiguous().view(torch.uint8).numpy()
+    return memoryview(arr)
+
+
+def encode(op: str, fields: Mapping[str, Any] | None = None,
+           entries: Sequence[Entry] = ()) -> bytes:
+    """Frame ``op``, JSON ``fields`` and tensors into one ``bytes`` (one copy of each tensor)."""
+    metas: list[dict[str, Any]] = []
+    chunks: list[Any] = []
+    pos = 0
+    for e in entries:
+        dtype_name = _DTYPE_NAMES.get(e.tensor.dtype)
+        if dtype_name is None:
+            raise TypeError(
+                f"tensor {e.name!r} has dtype {e.tensor.dtype}, which the parameter-server wire "
+                f"does not carry; allowed: {sorted(DTYPES)}. Cast it first.")
+        raw = _raw_bytes(e.tensor)
+        start = _align(pos)
+        if start > pos:
+            chunks.append(bytes(start - pos))
+        meta: dict[str, Any] = {"name": e.name, "dtype": dtype_name,
+                                "shape": list(e.tensor.shape), "offset": start,
+                                "nbytes": raw.nbytes}
+        if e.version is not None:
+            meta["version"] = int(e.version)
+        metas.append(meta)
+        chunks.append(raw)
+        pos = start + raw.nbytes
+    header = json.dumps({"op": op, "fields": dict(fields or {}), "tensors": metas},
+                        separators=(",", ":"), allow_nan=False).encode()
+    head_end = _PREFIX.size + len(header)
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header))
+    return b"".join([prefix, header, bytes(_align(head_end) - head_end), *chunks])
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite JSON constant {name}")
+
+
+def _depth(obj: Any, limit: int, level: int = 0) -> None:
+    if level > limit:
+        raise WireError(f"header JSON nested deeper than {limit} levels")
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _depth(v, limit, level + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _depth(v, limit, level + 1)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def decode(data: bytes, limits: Limits | None = None) -> Message:
+    """Validate and decode one message; raises :class:`WireError` on anything malformed."""
+    lim = limits or Limits()
+    size = len(data)
+    if size > lim.max_message_bytes:
+        raise WireError(f"message of {size} bytes exceeds max_message_bytes="
+                        f"{lim.max_message_bytes}", status="RESOURCE_EXHAUSTED")
+    if size < _PREFIX.size:
+        raise WireError(f"message of {size} bytes is shorter than the {_PREFIX.size}-byte frame "
+                        "prefix; not a stratagem parameter-server message")
+    magic, version, flags, header_len = _PREFIX.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}); not a stratagem "
+                        "parameter-server message (pickle and other formats are refused)")
+    if version != FORMAT_VERSION or flags != 0:
+        raise WireError(f"unsupported wire format version {version} flags {flags} (this side "
+                        f"speaks version {FORMAT_VERSION}); run the same stratagem everywhere")
+    if header_len > lim.max_header_bytes:
+        raise WireError(f"header length {header_len} exceeds max_header_bytes="
+                        f"{lim.max_header_bytes}", status="RESOURCE_EXHAUSTED")
+    head_end = _PREFIX.size + header_len
+    if head_end > size:
+        raise WireError(f"header length {header_len} runs past the end of a {size}-byte message")
+    try:
+        header = json.loads(bytes(memoryview(data)[_PREFIX.size:head_end]).decode("utf-8"),
+                            parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise WireError(f"header is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
+        raise WireError(f"header must be an object with exactly the keys {sorted(_HEADER_KEYS)}")
+    op, fields, metas = header["op"], header["fields"], header["tensors"]
+    if not isinstance(op, str) or not 0 < len(op) <= 64:
+        raise WireError("header 'op' must be a non-empty string of at most 64 characters")
+    if not isinstance(fields, dict):
+        raise WireError("header 'fields' must be an object")
+    _depth(fields, lim.max_json_depth)
+    if not isinstance(metas, list):
+        raise WireError("header 'tensors' must be a list")
+    if len(metas) > lim.max_tensors:
+        raise WireError(f"{len(metas)} tensors exceed max_tensors={lim.max_tensors}",
+                        status="RESOURCE_EXHAUSTED")
+    payload_start = _align(head_end)
+    payload_len = size - payload_start
+    checked: list[tuple[str, torch.dtype, list[int], int, int, int | None]] = []
+    end_prev = 0
+    for i, m in enumerate(metas):
+        if not isinstance(m, dict) or not _ENTRY_REQUIRED <= set(m) <= _ENTRY_KEYS:
+            raise WireError(f"tensor entry {i} must have keys {sorted(_ENTRY_REQUIRED)} "
+                            "(and optionally 'version') and nothing else")
+        name, dtype_name, shape = m["name"], m["dtype"], m["shape"]
+        offset, nbytes, ver = m["offset"], m["nbytes"], m.get("version")
+        if not isinstance(name, str) or len(name) > lim.max_name_chars:
+            raise WireError(f"tensor entry {i}: name must be a string of at most "
+                            f"{lim.max_name_chars} characters")
+        if dtype_name not in DTYPES:
+            raise WireError(f"tensor {name!r}: dtype {dtype_name!r} is not allowed; allowed: "
+                            f"{sorted(DTYPES)}")
+        if (not isinstance(shape, list) or len(shape) > lim.max_ndim
+                or not all(_is_int(d) and d >= 0 for d in shape)):
+            raise WireError(f"tensor {name!r}: shape must be a list of at most {lim.max_ndim} "
+                            f"non-negative integers, got {shape!r}")
+        if not (_is_int(offset) and _is_int(nbytes) and offset >= end_prev and nbytes >= 0
+                and offset % _ALIGN == 0 and offset + nbytes <= payload_len):
+            raise WireError(f"tensor {name!r}: offset {offset!r} / nbytes {nbytes!r} out of "
+                            f"order, unaligned or past the {payload_len}-byte payload")
+        dtype = DTYPES[dtype_name]
+        expected = math.prod(shape) * dtype.itemsize
+        if expected != nbytes:
+            raise WireError(f"tensor {name!r}: shape {shape} x {dtype_name} needs {expected} "
+                            f"bytes but the entry says {nbytes}")
+        if ver is not None and not _is_int(ver):
+            raise WireError(f"tensor {name!r}: version must be an integer, got {ver!r}")
+        checked.append((name, dtype, shape, offset, nbytes, ver))
+        end_prev = offset + nbytes
+    entries = []
+    for name, dtype, shape, offset, nbytes, ver in checked:
+        if nbytes == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            t = torch.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize,
+                                 offset=payload_start + offset).view(shape)
+        entries.append(Entry(name, t, ver))
+    return Message(op, fields, entries)

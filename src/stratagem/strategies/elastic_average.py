@@ -1,0 +1,468 @@
+"""Elastic averaging SGD (EASGD) and elastic averaging momentum SGD (EAMSGD).
+
+Zhang, Choromanska, LeCun, "Deep learning with Elastic Averaging SGD", NeurIPS 2015
+(arXiv:1412.6651). Every worker trains its own copy ``x_i`` of the model; a *center*
+variable ``x~`` is linked to the workers by an elastic force. Every ``period`` local steps
+each worker exchanges with the center::
+
+    d_i = x_i - x~;    x_i -= moving_rate * d_i;    x~ += moving_rate * d_i
+
+(the paper's Algorithm 1 with ``alpha = moving_rate`` and ``tau = period``). In ``"sync"`` mode
+the center is replicated on every worker and all exchanges of a round are applied together
+(``x~ += moving_rate * sum_i d_i``, one all-reduce of the ``d_i``); in ``"async"`` mode it lives
+on parameter-server shards and each exchange is applied there atomically (per shard) as it
+arrives, so workers never wait for each other. ``momentum > 0`` gives EAMSGD (Algorithm 2:
+Nesterov momentum on the local update); ``rho > 0`` gives the penalty form of the paper's
+Eq. 5-6, in which the elastic force on a worker is added to its gradient.
+
+The consensus model, and the one checkpointed and evaluated, is the center.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..strategy import Prepared, Strategy, StrategyOptimizer
+from .local_sgd import (
+    _check_int,
+    _dtype_groups,
+    _flatten,
+    _gather_ranks,
+    _load_rank,
+    _load_step_state,
+    _step_state,
+    _synced_tensors,
+    _views,
+)
+
+if TYPE_CHECKING:
+    from ..ps.client import PSClient, ShardedParameters
+
+__all__ = ["ElasticAveraging"]
+
+_MODES = ("sync", "async")
+
+
+class _ElasticState:
+    """Per prepared model: the synchronised tensors and the center (or its shard table)."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor], is_param: list[bool],
+                 key_prefix: str) -> None:
+        self.names = names
+        self.tensors = tensors
+        self.is_param = is_param
+        self.keys = [key_prefix + n for n in names]  # names on the parameter-server shards
+        self.groups = _dtype_groups(tensors)
+        # sync: one flat center buffer per dtype group, ``center[i]`` views into it.
+        self.center_flats: list[torch.Tensor] = []
+        self.center: list[torch.Tensor] = []
+        # async: the shard table and, when rho > 0, the last known center (params only).
+        self.table: ShardedParameters | None = None
+        self.center_copy: list[torch.Tensor | None] = []
+        self.momentum: dict[int, torch.Tensor] = {}  # id(param) -> EAMSGD buffer
+        self.eval_module: nn.Module | None = None
+
+
+class ElasticAveraging(Strategy):
+    """EASGD / EAMSGD (Zhang, Choromanska, LeCun 2015): local models pulled towards a center.
+
+    Arguments:
+
+    - ``period`` (int >= 1): local steps between two elastic exchanges.
+    - ``moving_rate`` (in (0, 1]): the elastic rate ``alpha``; default
+      ``beta / (period * num_workers)`` (the paper's ``beta = p * alpha`` per round, spread over
+      ``period``). ``num_workers`` is the size of this job's process group: workers launched
+      without a shared group (async, one process each) should pass ``moving_rate``.
+    - ``beta`` (> 0): see ``moving_rate``.
+    - ``rho`` (>= 0): with ``rho > 0`` the elastic force on the worker is applied through its
+      gradient: before every local step ``rho * (x - center_copy)`` is added to the gradient of
+      every parameter the optimizer steps, ``center_copy`` being the center as last seen by this
+      worker (exact in sync mode). The exchange then happens *before* the local step, measures
+      ``d`` at the point where the gradient was taken, and moves only the center (and the
+      buffers, which have no gradient): the worker is not pulled twice. This is the paper's
+      Eq. 5-6; with ``period=1`` and ``rho = moving_rate / lr`` it is exactly the update whose
+      stability region the paper derives.
+    - ``momentum`` (in [0, 1)): EAMSGD. The optimizer given to ``prepare`` computes the local
+      update ``u`` (``-lr * g`` for plain SGD); around it the strategy keeps a buffer
+      ``m = momentum * m + u`` and moves the parameters by ``u + momentum * m``: with plain SGD
+      (no momentum of its own) this is exactly ``torch.optim.SGD(nesterov=True)``, i.e. the
+      paper's Nesterov local update. With another optimizer (Adam, SGD with momentum...) the
+      same Nesterov momentum is applied to that optimizer's update; parameters without a
+      gradient in a step are not moved.
+    - ``mode``: ``"sync"`` (center replicated, one all-reduce per round) or ``"async"`` (center
+      on parameter-server shards found in ``ps_addresses``, else ``STRATAGEM_PS_ADDRS``).
+    - ``average_buffers``: floating-point buffers (BatchNorm statistics) follow the same elastic
+      exchange as the parameters; with False each worker keeps its own and the center module
+      uses this worker's.
+    - ``wait_for_all`` (async): wait for every worker of the process group before the first
+      step (a start barrier). By default workers never wait for each other.
+    - ``ps_addresses`` (async): ``"host:port,host:port"`` or a list of them.
+
+    Any ``torch.optim`` optimizer works; its state stays local to each worker (saved per rank).
+    A worker that starts or restarts in async mode registers the model on the shards (the
+    first registration wins) and starts from the current center, so it rejoins without
+    blocking anyone. Note: ``prepare`` itself (the core) checks and broadcasts the model over
+    the process group, so workers sharing a group still meet once there.
+
+    The center is what ``eval_model`` returns (a module sharing the center's storage in sync
+    mode; refreshed from the shards at each call in async mode) and what ``save`` writes as
+    ``model.safetensors``; every worker's local model (and EAMSGD buffer) goes in the strategy
+    state, so resuming with the same workers is exact. ``restore`` sets the center and every
+    local model to the saved model (async: the chief writes the center to the shards).
+
+    On failure: sync mode, a dead or stalled peer makes the exchange all-reduce fail within
+    ``timeout`` seconds and ``optimizer.step()`` raises ``PeerTimeoutError`` naming it (resume
+    from the last checkpoint). Async mode, an unreachable shard raises
+    ``ParameterServerUnavailable`` naming its address within ``timeout``; other workers are not
+    affected by a worker dying, and a restarted worker rejoins from the center.
+
+    Memory (copies of the parameters per worker): sync, one (the center) plus one transient
+    flat buffer during an exchange; async, none (one for ``center_copy`` when ``rho > 0``, one
+    for the center module once ``eval_model`` is called); EAMSGD adds one (the momentum) and a
+    transient one during each step.
+    """
+
+    name = "easgd"
+    _local_optimizer_state = True
+
+    def __init__(self, *, period: int = 10, moving_rate: float | None = None, beta: float = 0.9,
+                 rho: float = 0.0, momentum: float = 0.0, mode: str = "sync",
+                 average_buffers: bool = True, wait_for_all: bool = False,
+                 ps_addresses: str | Sequence[str] | None = None, **common: Any) -> None:
+        self.period = _check_int("period", period, 1,
+                                 "pass the number of local steps between elastic exchanges, "
+                                 "e.g. period=10")
+        if moving_rate is not None and not _in_range(moving_rate, 0.0, 1.0, low_open=True):
+            raise ValueError(f"moving_rate must be a number in (0, 1], got {moving_rate!r}. "
+                             "Fix: pass e.g. moving_rate=0.05, or omit it for "
+                             "beta / (period * num_workers)")
+        if not _in_range(beta, 0.0, float("inf"), low_open=True):
+            raise ValueError(f"beta must be a number > 0, got {beta!r}. Fix: pass e.g. beta=0.9 "
+                             "(the paper's value)")
+        if not _in_range(rho, 0.0, float("inf")):
+            raise ValueError(f"rho must be a number >= 0, got {rho!r}. Fix: pass 0 (no elastic "
+                             "penalty in the gradient) or e.g. rho=moving_rate / lr")
+        if not _in_range(momentum, 0.0, 1.0, high_open=True):
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}. Fix: pass 0 (EASGD) "
+                             "or e.g. momentum=0.9 (EAMSGD)")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}. Fix: pass "
+                             "mode='sync' (center replicated) or mode='async' (center on "
+                             "parameter-server shards)")
+        for flag, value in (("average_buffers", average_buffers), ("wait_for_all", wait_for_all)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        addresses: list[str] = []
+        if mode == "async":
+            addresses = _ps_addresses(ps_addresses)
+        elif ps_addresses is not None:
+            raise ValueError(f"ps_addresses only applies to mode='async', got ps_addresses="
+                             f"{ps_addresses!r} with mode={mode!r}. Fix: drop ps_addresses or "
+                             "pass mode='async'")
+        super().__init__(**common)
+        if moving_rate is None:
+            moving_rate = beta / (self.period * self.num_replicas_in_sync)
+            if moving_rate > 1.0:
+                raise ValueError(
+                    f"the default moving_rate = beta / (period * num_workers) = {beta} / "
+                    f"({self.period} * {self.num_replicas_in_sync}) = {moving_rate:g} is above "
+                    "1. Fix: lower beta, or pass moving_rate in (0, 1]")
+        self.moving_rate = float(moving_rate)
+        self.beta = float(beta)
+        self.rho = float(rho)
+        self.momentum = float(momentum)
+        self.mode = mode
+        self.average_buffers = average_buffers
+        self.wait_for_all = wait_for_all
+        self.ps_addresses = addresses
+        # Sync mode: every worker must count the same local steps (a skipped step on one
+        # worker would shift its exchange schedule), so the skip decision is agreed.
+        self._synchronous_step = mode == "sync"
+        self._client: PSClient | None = None
+        self._ps_seen: tuple[float, float, float] = (0, 0, 0.0)
+        self._exchanges = 0
+
+    # ------------------------------------------------------------------ setup
+    def _initial_sync(self, model: nn.Module) -> None:
+        if self.mode == "sync":
+            super()._initial_sync(model)
+        # Async: no collective, so a (re)starting worker never waits for the others; every
+        # worker starts from the center registered on the shards (first registration wins).
+
+    def _setup(self, prepared: Prepared) -> None:
+        names, tensors, is_param = _synced_tensors(prepared.module, self.average_buffers)
+        index = len(self._prepared) - 1
+        st = _ElasticState(names, tensors, is_param, "" if index == 0 else f"model{index}/")
+        prepared.state["easgd"] = st
+        if self.momentum > 0:
+            st.momentum = {id(p): torch.zeros_like(p) for p in prepared.module.parameters()}
+        if self.mode == "sync":
+            st.center = [torch.empty(0)] * len(tensors)
+            for idx in st.groups:
+                group = [tensors[i] for i in idx]
+                flat = _flatten(group)  # a new buffer: the center starts at the (broadcast) model
+                st.center_flats.append(flat)
+                for i, v in zip(idx, _views(flat, group), strict=True):
+                    st.center[i] = v
+            return
+        self._setup_async(st)
+
+    def _setup_async(self, st: _ElasticState) -> None:
+        from ..ps.client import PSClient, ShardedParameters
+
+        if self._client is None:
+            self._client = PSClient(self.ps_addresses, timeout=self.timeout)
+            self._client.wait_ready(timeout=self.timeout)
+        st.table = ShardedParameters(self._client, self._named(st), mode="elastic")
+        # First registration wins: a worker starting (or restarting) after others gets the
+        # current center here and starts from it.
+        center = st.table.register()
+        self._fold_ps_bytes()
+        with torch.no_grad():
+            for k, t in zip(st.keys, st.tensors, strict=True):
+                t.copy_(center[k])
+        st.center_copy = [t.detach().clone() if (p and self.rho > 0) else None
+                          for t, p in zip(st.tensors, st.is_param, strict=True)]
+        if self.wait_for_all:
+            self.comm.barrier()
+
+    @staticmethod
+    def _named(st: _ElasticState) -> dict[str, torch.Tensor]:
+        """The synchronised tensors under their names on the shards."""
+        return {k: t.detach() for k, t in zip(st.keys, st.tensors, strict=True)}
+
+    def _fold_ps_bytes(self) -> None:
+        """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
+        assert self._client is not None
+        s = self._client.stats()
+        sent, received, seconds = self._ps_seen
+        self.comm.account(s["bytes_sent"] - sent, s["bytes_received"] - received,
+                          s["comm_seconds"] - seconds)
+        self._ps_seen = (s["bytes_sent"], s["bytes_received"], s["comm_seconds"])
+
+    # ------------------------------------------------------------------ the step
+    def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
+        st: _ElasticState = prepared.state["easgd"]
+        if self.rho > 0:
+            self._penalty_form(prepared, st, opt)
+        if self.momentum <= 0:
+            super()._apply_update(prepared, opt)
+            return
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        with torch.no_grad():
+            before = [p.detach().clone() for p in params]
+        super()._apply_update(prepared, opt)
+        delta = self.momentum
+        with torch.no_grad():
+            for p, b in zip(params, before, strict=True):
+                m = st.momentum.get(id(p))
+                if m is None:  # a parameter added to the optimizer after prepare
+                    m = st.momentum[id(p)] = torch.zeros_like(p)
+                b.sub_(p)  # b = -u, the optimizer's own update negated
+                m.mul_(delta).sub_(b)  # m = momentum * m + u
+                p.add_(m, alpha=delta)  # x = x_before + u + momentum * m (Nesterov)
+
+    def _after_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
+        if self.rho > 0 or prepared.local_steps % self.period != 0:
+            return  # the penalty form exchanged before the step, in _apply_update
+        st: _ElasticState = prepared.state["easgd"]
+        a = self.moving_rate
+        with torch.no_grad():
+            if self.mode == "sync":
+                for idx, center in zip(st.groups, st.center_flats, strict=True):
+                    group = [st.tensors[i] for i in idx]
+                    d = _flatten(group).sub_(center)
+                    for t, v in zip(group, _views(d, group), strict=True):
+                        t.sub_(v, alpha=a)
+                    self.comm.all_reduce(d)  # sum_i d_i, one collective per dtype
+                    center.add_(d, alpha=a)
+            else:
+                assert st.table is not None
+                d_by_key = st.table.elastic_exchange(self._named(st), a)
+                self._fold_ps_bytes()
+                for k, t in zip(st.keys, st.tensors, strict=True):
+                    t.sub_(d_by_key[k], alpha=a)
+        self._exchanges += 1
+
+    def _penalty_form(self, prepared: Prepared, st: _ElasticState, opt: StrategyOptimizer
+                      ) -> None:
+        """rho > 0: add ``rho * (x - center)`` to the gradients; on an exchange step, move the
+        center by ``moving_rate * sum_i (x_i - center)`` with ``x_i`` the point where the
+        gradients were taken (the paper's Eq. 5-6)."""
+        exchange = (prepared.local_steps + 1) % self.period == 0
+        stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+        a = self.moving_rate
+        with torch.no_grad():
+            if self.mode == "sync":
+                for idx, center in zip(st.groups, st.center_flats, strict=True):
+                    group = [st.tensors[i] for i in idx]
+                    d = _flatten(group).sub_(center)
+                    for i, t, v in zip(idx, group, _views(d, group), strict=True):
+                        if st.is_param[i]:
+                            self._add_penalty(t, v, stepped)
+                        elif exchange:
+                            t.sub_(v, alpha=a)
+                    if exchange:
+                        self.comm.all_reduce(d)
+                        center.add_(d, alpha=a)
+            else:
+                assert st.table is not None
+                if exchange:
+                    d_by_key = st.table.elastic_exchange(self._named(st), a)
+                    self._fold_ps_bytes()
+                for i, (k, t) in enumerate(zip(st.keys, st.tensors, strict=True)):
+                    c = st.center_copy[i]
+                    if exchange:
+                        d = d_by_key[k]
+                        if c is None:
+                            t.sub_(d, alpha=a)  # a buffer: the plain exchange
+                        else:
+                            c.copy_(t).sub_(d, alpha=1.0 - a)  # center after: x - (1 - a) d
+                            self._add_penalty(t, d, stepped)
+                    elif c is not None:
+                        self._add_penalty(t, t - c, stepped)
+        if exchange:
+            self._exchanges += 1
+
+    def _add_penalty(self, p: torch.Tensor, d: torch.Tensor, stepped: set[int]) -> None:
+        if id(p) not in stepped or not p.requires_grad:
+            return
+        if p.grad is None:
+            p.grad = d.mul(self.rho).reshape(p.shape)
+        else:
+            p.grad.add_(d.view_as(p.grad), alpha=self.rho)
+
+    # ------------------------------------------------------------------ the center
+    def _center_values(self, st: _ElasticState) -> list[torch.Tensor]:
+        if self.mode == "sync":
+            return st.center
+        assert st.table is not None
+        got = st.table.pull()
+        self._fold_ps_bytes()
+        return [got[k] for k in st.keys]
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """A module holding the center (built once; in async mode refreshed from the shards
+        at each call). Buffers not averaged are this worker's own."""
+        prepared = self._find_prepared(model)
+        if prepared is None:
+            return model
+        st: _ElasticState = prepared.state["easgd"]
+        if st.eval_module is None:
+            st.eval_module = self._center_module(prepared.module, st)
+        elif self.mode == "async":
+            center = self._center_values(st)
+            by_name: dict[str, torch.Tensor] = dict(st.eval_module.named_parameters())
+            by_name.update(st.eval_module.named_buffers())
+            with torch.no_grad():
+                for n, c in zip(st.names, center, strict=True):
+                    by_name[n].copy_(c)
+        return st.eval_module
+
+    def _center_module(self, module: nn.Module, st: _ElasticState) -> nn.Module:
+        center = dict(zip(st.names, self._center_values(st), strict=True))
+        local_buffers = dict(module.named_buffers())
+        clone = copy.deepcopy(module)
+        clone.requires_grad_(False)
+        for n, p in clone.named_parameters():
+            # Sync: a view of the center (no copy, always current). Async: the pulled values.
+            p.data = center[n]
+        for n, b in clone.named_buffers():
+            b.data = center[n] if n in center else local_buffers[n]
+        return clone
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        st: _ElasticState = prepared.state["easgd"]
+        if self.mode == "async" and not self.is_chief:
+            # Only the chief's model tensors are written; spare the shards a pull per worker.
+            return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+        center = {id(t): c for t, c in zip(st.tensors, self._center_values(st), strict=True)}
+        return {k: center.get(id(v), v).detach()
+                for k, v in prepared.module.state_dict(keep_vars=True).items()}
+
+    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        prepared.module.load_state_dict(state)
+        st: _ElasticState = prepared.state["easgd"]
+        with torch.no_grad():
+            if self.mode == "sync":
+                for t, c in zip(st.tensors, st.center, strict=True):
+                    c.copy_(t)
+                return
+            for t, copy_ in zip(st.tensors, st.center_copy, strict=True):
+                if copy_ is not None:
+                    copy_.copy_(t)
+        assert st.table is not None
+        if self.is_chief:
+            st.table.set_state({"params": self._named(st)})
+            self._fold_ps_bytes()
+        # Nobody exchanges against the old center once restore returns.
+        self.comm.barrier()
+
+    def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        st: _ElasticState = prepared.state["easgd"]
+        out = {**_gather_ranks(self.comm, st.names, st.tensors, "local"), **_step_state(prepared)}
+        if st.momentum:
+            names = [n for n, p in prepared.module.named_parameters() if id(p) in st.momentum]
+            bufs = [st.momentum[id(p)] for p in prepared.module.parameters()
+                    if id(p) in st.momentum]
+            out.update(_gather_ranks(self.comm, names, bufs, "momentum"))
+        return out
+
+    def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        st: _ElasticState = prepared.state["easgd"]
+        rank, world = self.replica_id, self.num_replicas_in_sync
+        _load_rank(state, "local", rank, world, st.names, st.tensors)
+        _load_step_state(prepared, state)
+        if st.momentum:
+            named = [(n, p) for n, p in prepared.module.named_parameters()
+                     if id(p) in st.momentum]
+            _load_rank(state, "momentum", rank, world, [n for n, _ in named],
+                       [st.momentum[id(p)] for _, p in named])
+
+    # ------------------------------------------------------------------ misc
+    def _extra_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"exchanges": self._exchanges, "moving_rate": self.moving_rate}
+        if self._client is not None:
+            s = self._client.stats()
+            out["ps_bytes_sent"] = s["bytes_sent"]
+            out["ps_bytes_received"] = s["bytes_received"]
+        return out
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        super().close()
+
+
+def _in_range(value: Any, low: float, high: float, *, low_open: bool = False,
+              high_open: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    return above and below
+
+
+def _ps_addresses(given: str | Sequence[str] | None) -> list[str]:
+    raw: str | Sequence[str] | None = given
+    source = "ps_addresses"
+    if raw is None:
+        raw = os.environ.get("STRATAGEM_PS_ADDRS", "")
+        source = "STRATAGEM_PS_ADDRS"
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    addresses = [a.strip() for a in items if isinstance(a, str) and a.strip()]
+    if not addresses or len(addresses) != len(items) or any(
+            a.rpartition(":")[2] == "" or not a.rpartition(":")[2].isdigit() for a in addresses):
+        raise ValueError(f"mode='async' needs parameter-server shard addresses 'host:port', got "
+                         f"{source}={raw!r}. Fix: start shards (stratagem run --num-ps K, or "
+                         "stratagem ps) and set STRATAGEM_PS_ADDRS=host:port,... or pass "
+                         "ps_addresses=[...]")
+    return addresses

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+
+import pytest
+import torch
+
+from stratagem.ps import wire
+from stratagem.ps.wire import Entry, Limits, WireError, decode, encode
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_round_trip_all_dtypes_and_shapes() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=g),
+        "f64": torch.randn(7, generator=g, dtype=torch.float64),
+        "f16": torch.randn(2, 3, generator=g).half(),
+        "bf16": torch.randn(4, 1, generator=g).bfloat16(),
+        "i64": torch.arange(5),
+        "i8": torch.tensor([-1, 2, 3], dtype=torch.int8),
+        "u8": torch.tensor([1, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(4, 6, generator=g).t(),  # non-contiguous input
+    }
+    data = encode("push", {"max_staleness": 3, "x": [1, "a", None]},
+                  [Entry(k, v, version=i) for i, (k, v) in enumerate(tensors.items())])
+    msg = decode(data)
+    assert msg.op == "push" and msg.fields == {"max_staleness": 3, "x": [1, "a", None]}
+    out = msg.tensors()
+    assert list(out) == list(tensors)
+    for k, v in tensors.items():
+        assert out[k].dtype == v.dtype and out[k].shape == v.shape
+        torch.testing.assert_close(out[k], v, rtol=0, atol=0)
+    assert msg.versions() == {k: i for i, k in enumerate(tensors)}
+    # Zero-copy views are 8-byte aligned inside the received buffer.
+    assert all(t.data_ptr() % 8 == 0 for t in out.values() if t.numel())
+
+
+def _frame(header: dict | bytes, payload: bytes = b"") -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    head = struct.pack("<4sHHI", wire.MAGIC, wire.FORMAT_VERSION, 0, len(raw)) + raw
+    return head + bytes(-len(head) % 8) + payload
+
+
+@pytest.mark.parametrize("data, status, needle", [
+    (pickle.dumps(object()), "INVALID_ARGUMENT", "bad magic"),
+    (b"\x00" * 5, "INVALID_ARGUMENT", "shorter"),
+    (struct.pack("<4sHHI", wire.MAGIC, 1, 0, 0xFFFFFFFF), "RESOURCE_EXHAUSTED", "header length"),
+    (struct.pack("<4sHHI", wire.MAGIC, 1, 0, 100) + b"{}", "INVALID_ARGUMENT", "runs past"),
+    (struct.pack("<4sHHI", wire.MAGIC, 9, 0, 0), "INVALID_ARGUMENT", "version"),
+    (_frame(b"{not json"), "INVALID_ARGUMENT", "JSON"),
+    (_frame(b'{"op":"x","fields":{"a":NaN},"tensors":[]}'), "INVALID_ARGUMENT", "JSON"),
+    (_frame({"op": "x", "fields": {}, "tensors": [], "extra": 1}), "INVALID_ARGUMENT", "keys"),
+    (_frame({"op": "x", "fields": {}, "tensors": [
+        {"name": "a", "dtype": "object", "shape": [1], "offset": 0, "nbytes": 8}]}, bytes(8)),
+     "INVALID_ARGUMENT", "not allowed"),
+    (_frame({"op": "x", "fields": {}, "tensors": [
+        {"name": "a", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 8}]}, bytes(8)),
+     "INVALID_ARGUMENT", "needs 12 bytes"),
+    (_frame({"op": "x", "fields": {}, "tensors": [
+        {"name": "a", "dtype": "float32", "shape": [1 << 40], "offset": 0,
+         "nbytes": 4 << 40}]}, bytes(8)), "INVALID_ARGUMENT", "past"),
+    (_frame({"op": "x", "fields": {}, "tensors": [
+        {"name": "a", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8},
+        {"name": "b", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}]}, bytes(16)),
+     "INVALID_ARGUMENT", "out of order"),
+    (_frame({"op": "x", "fields": {}, "tensors": [
+        {"name": 7, "dtype": "float32", "shape": [0], "offset": 0, "nbytes": 0}]}),
+     "INVALID_ARGUMENT", "name"),
+    (_frame({"op": "x", "fields": {"a": [[[[[[[[[[1]]]]]]]]]]}, "tensors": []}),
+     "INVALID_ARGUMENT", "deeper"),
+])
+def test_decode_refuses_malformed(data: bytes, status: str, needle: str) -> None:
+    with pytest.raises(WireError, match=needle) as info:
+        decode(data)
+    assert info.value.status == status
+
+
+def test_limits_are_enforced() -> None:
+    data = encode("x", None, [Entry("a", torch.zeros(1024))])
+    with pytest.raises(WireError) as info:
+        decode(data, Limits(max_message_bytes=2048))
+    assert info.value.status == "RESOURCE_EXHAUSTED"
+    many = encode("x", None, [Entry(str(i), torch.zeros(1)) for i in range(5)])
+    with pytest.raises(WireError, match="max_tensors"):
+        decode(many, Limits(max_tensors=4))
+    with pytest.raises(WireError, match="at most 3 characters"):
+        decode(encode("x", None, [Entry("long", torch.zeros(1))]), Limits(max_name_chars=3))
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        Limits(max_message_bytes=1 << 31)
+
+
+def test_encode_refuses_unknown_dtype() -> None:
+    with pytest.raises(TypeError, match="complex64"):
+        encode("x", None, [Entry("c", torch.zeros(2, dtype=torch.complex64))])
