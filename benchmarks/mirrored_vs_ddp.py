@@ -1,0 +1,128 @@
+"""Mirrored vs raw DistributedDataParallel: step time with the same model, data and bucket
+size, measured in the same processes in alternating blocks (so machine drift hits both).
+
+    python benchmarks/mirrored_vs_ddp.py [--procs 2 4] [--steps 30] [--rounds 6]
+
+Prints the Mirrored/DDP ratio of median step times per process count and writes
+``benchmarks/results/mirrored_vs_ddp.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _model(seed: int, width: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 10))
+
+
+def worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    import stratagem as sg
+
+    torch.set_num_threads(1)
+    strategy = sg.Mirrored(bucket_cap_mb=cfg["bucket_cap_mb"])  # initialises the default group
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(cfg["batch"], 784, generator=gen)
+    y = torch.randint(0, 10, (cfg["batch"],), generator=gen)
+
+    mirrored_model = _model(0, cfg["width"])
+    mirrored_opt = torch.optim.SGD(mirrored_model.parameters(), lr=0.01)
+    mirrored_model, mirrored_opt = strategy.prepare(mirrored_model, mirrored_opt)
+
+    raw = _model(0, cfg["width"])
+    ddp = DDP(raw, bucket_cap_mb=cfg["bucket_cap_mb"])
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    def mirrored_step() -> None:
+        loss = F.cross_entropy(mirrored_model(x), y)
+        strategy.backward(loss)
+        mirrored_opt.step()
+        mirrored_opt.zero_grad()
+
+    def ddp_step() -> None:
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+
+    def block(step_fn: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(cfg["steps"]):
+            step_fn()
+        dist.barrier()
+        return (time.perf_counter() - t0) / cfg["steps"]
+
+    for fn in (mirrored_step, ddp_step):  # warm-up
+        block(fn)
+    m_times, d_times = [], []
+    for r in range(cfg["rounds"]):
+        order = (mirrored_step, ddp_step) if r % 2 == 0 else (ddp_step, mirrored_step)
+        for fn in order:
+            (m_times if fn is mirrored_step else d_times).append(block(fn))
+    metrics = strategy.metrics()
+    return {"mirrored": m_times, "ddp": d_times, "bytes_sent": metrics["bytes_sent"],
+            "steps": metrics["steps"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25)
+    args = parser.parse_args(argv)
+    from stratagem.launch import launch
+
+    rows = []
+    for procs in args.procs:
+        cfg = {"steps": args.steps, "rounds": args.rounds, "width": args.width, "batch": args.batch,
+               "bucket_cap_mb": args.bucket_cap_mb}
+        results = launch(worker, nprocs=procs, args=(cfg,))
+        # A step ends when the slowest rank ends it: the chief's block times include barriers.
+        m = statistics.median(results[0]["mirrored"])
+        d = statistics.median(results[0]["ddp"])
+        ratios = [a / b for a, b in zip(results[0]["mirrored"], results[0]["ddp"])]
+        rows.append({"procs": procs, "mirrored_ms": 1e3 * m, "ddp_ms": 1e3 * d, "ratio": m / d,
+                     "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "bytes_sent_per_step": results[0]["bytes_sent"] / max(1, results[0]["steps"])})
+        print(f"{procs} procs: Mirrored {1e3 * m:.2f} ms/step, DDP {1e3 * d:.2f} ms/step, "
+              f"ratio {m / d:.3f} (per-round {min(ratios):.3f}..{max(ratios):.3f})", flush=True)
+    params = sum(p.numel() for p in _model(0, args.width).parameters())
+    md = ["# Mirrored vs raw DDP step time", "",
+          f"Model: MLP 784-{args.width}-{args.width}-10 ({params:,} parameters), per-replica batch "
+          f"{args.batch}, bucket_cap_mb={args.bucket_cap_mb}, gloo on CPU, {args.rounds} alternating "
+          f"rounds of {args.steps} steps after a warm-up; medians.", "",
+          "Command: `python benchmarks/mirrored_vs_ddp.py " + " ".join(argv or []) + "`", "",
+          "| processes | Mirrored ms/step | DDP ms/step | Mirrored/DDP | per-round range |",
+          "|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['procs']} | {r['mirrored_ms']:.2f} | {r['ddp_ms']:.2f} | {r['ratio']:.3f} | "
+                  f"{r['ratio_min']:.3f}..{r['ratio_max']:.3f} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "mirrored_vs_ddp.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / "mirrored_vs_ddp.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,378 @@
+"""The ``stratagem`` command line: ``run | ps | demo | bench``.
+
+``stratagem run`` is a thin layer over torchrun (``python -m torch.distributed.run``): it
+picks a free port for single-node jobs, optionally starts parameter-server shards first,
+exports the strategy choice for ``sg.from_env()``, forwards SIGINT/SIGTERM and propagates
+torchrun's exit code. Subcommands are registered with :func:`subcommand`; modules behind
+``ps``, ``demo`` and ``bench`` are imported only when that subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = ["main", "subcommand", "build_parser", "torchrun_command", "parse_strategy_args"]
+
+#: Seconds torchrun gets to stop its workers after a forwarded signal (its own grace is 30 s).
+FORWARD_GRACE = 40.0
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class _Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None] | None
+    handler: Callable[..., int]
+    passthrough: bool  # the handler takes the raw argv (the subcommand parses its own flags)
+
+
+_COMMANDS: dict[str, _Command] = {}
+
+
+def subcommand(name: str, help: str, *, configure: Callable[[argparse.ArgumentParser], None]
+               | None = None, passthrough: bool = False) -> Callable[[Callable[..., int]],
+                                                                     Callable[..., int]]:
+    """Register ``handler(args: argparse.Namespace) -> int`` as ``stratagem NAME``.
+
+    ``configure(parser)`` adds the subcommand's arguments. With ``passthrough=True`` the
+    handler is called as ``handler(argv: list[str])`` with everything after NAME, unparsed.
+    """
+    def register(handler: Callable[..., int]) -> Callable[..., int]:
+        _COMMANDS[name] = _Command(name, help, configure, handler, passthrough)
+        return handler
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stratagem", description="Distribution strategies for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in _COMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if cmd.passthrough:
+            p.add_argument("argv", nargs=argparse.REMAINDER, help="arguments for the command")
+        elif cmd.configure is not None:
+            cmd.configure(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stratagem`` command; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _COMMANDS and _COMMANDS[argv[0]].passthrough:
+        # argparse's REMAINDER mishandles leading flags (``demo --help``): hand over raw argv.
+        return _COMMANDS[argv[0]].handler(argv[1:])
+    args = build_parser().parse_args(argv)
+    return _COMMANDS[args.command].handler(args)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be >= 1, got {value}; pass the number of worker processes per node, "
+            "e.g. --nproc 2")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _nnodes(text: str) -> str:
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or (
+            len(parts) == 2 and int(parts[0]) > int(parts[1])):
+        raise argparse.ArgumentTypeError(
+            f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}; e.g. --nnodes 2 or 1:4")
+    return text
+
+
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_strategy_args(items: Sequence[str]) -> dict[str, Any]:
+    """``["period=4", "mode=sync"]`` -> ``{"period": 4, "mode": "sync"}`` (values parsed as
+    int, float, bool (true/false), None (none/null), else str)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--strategy-arg must look like key=value with a Python "
+                             f"identifier as key, got {item!r}; e.g. --strategy-arg period=4")
+        out[key] = _parse_value(value)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _single_node(args: argparse.Namespace) -> bool:
+    return args.nnodes in (None, "1", "1:1") and args.rdzv_backend is None
+
+
+def torchrun_command(args: argparse.Namespace, *, master_port: int | None = None) -> list[str]:
+    """The torchrun argv for parsed ``stratagem run`` arguments."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    if _single_node(args):
+        # Like --standalone, but with the static rendezvous: a free local port and the store
+        # hosted by the agent, so no rendezvous id or endpoint needs inventing.
+        port = args.master_port or master_port or _free_port()
+        cmd += ["--nnodes", "1", "--node-rank", "0",
+                "--master-addr", args.master_addr or "127.0.0.1", "--master-port", str(port)]
+    else:
+        cmd += ["--nnodes", args.nnodes or "1"]
+        for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                            ("--master-port", args.master_port),
+                            ("--rdzv-backend", args.rdzv_backend),
+                            ("--rdzv-endpoint", args.rdzv_endpoint), ("--rdzv-id", args.rdzv_id)):
+            if value is not None:
+                cmd += [flag, str(value)]
+    if args.max_restarts is not None:
+        cmd += ["--max-restarts", str(args.max_restarts)]
+    if args.module:
+        cmd.append("--module")
+    return [*cmd, args.script, *args.script_args]
+
+
+def _configure_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=_positive_int, required=True,
+                   help="worker processes on this node")
+    p.add_argument("--num-ps", type=_nonneg_int, default=0,
+                   help="parameter-server shard processes to start first (single node)")
+    p.add_argument("--nnodes", type=_nnodes, default=None, help="N or MIN:MAX nodes")
+    p.add_argument("--node-rank", type=_nonneg_int, default=None)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=_nonneg_int, default=None)
+    p.add_argument("--max-restarts", type=_nonneg_int, default=None)
+    p.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend (c10d...)")
+    p.add_argument("--rdzv-endpoint", default=None)
+    p.add_argument("--rdzv-id", default=None)
+    p.add_argument("--strategy", default=None,
+                   help="strategy class name exported for sg.from_env(), e.g. LocalSGD")
+    p.add_argument("--strategy-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="strategy keyword argument (repeatable)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="treat SCRIPT as a module name (python -m)")
+    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _set_subreaper() -> None:
+    """Adopt orphaned descendants (Linux), so workers outliving a killed torchrun are found."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                # Fields after the ")" that ends the command name: state, ppid, ...
+                if (d / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                    out.add(int(d.name))
+    return out
+
+
+def _reap_orphans(keep: set[int], grace: float = 5.0) -> None:
+    """Stop and reap this process's children not in ``keep`` (adopted workers included)."""
+    pids = _children() - keep
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            pids &= _children()
+            time.sleep(0.05)
+        if not pids:
+            return
+
+
+@subcommand("run", "run a training script on N workers (on top of torchrun)",
+            configure=_configure_run)
+def _run(args: argparse.Namespace) -> int:
+    from stratagem.launch import child_pythonpath, start_ps_shards
+
+    try:
+        strategy_args = parse_strategy_args(args.strategy_arg)
+    except ValueError as e:
+        print(f"stratagem run: error: {e}", file=sys.stderr)
+        return 2
+    if strategy_args and not args.strategy:
+        print("stratagem run: error: --strategy-arg needs --strategy NAME "
+              f"(got {args.strategy_arg}); e.g. --strategy LocalSGD --strategy-arg period=4",
+              file=sys.stderr)
+        return 2
+    if args.num_ps and not _single_node(args):
+        print(f"stratagem run: error: --num-ps {args.num_ps} starts shards on this machine only "
+              "and works for single-node jobs; for several nodes start shards with "
+              "`stratagem ps --host H --port P` and export STRATAGEM_PS_ADDRS=host:port,...",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = child_pythonpath(env)
+    env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's oversubscription banner
+    if args.strategy:
+        env["STRATAGEM_STRATEGY"] = args.strategy
+        env["STRATAGEM_STRATEGY_ARGS"] = json.dumps(strategy_args)
+    _set_subreaper()
+    before = _children()
+    shards = start_ps_shards(args.num_ps) if args.num_ps else None
+    try:
+        if shards is not None:
+            env.update(shards.env())
+        return _supervise(torchrun_command(args), env)
+    finally:
+        if shards is not None:
+            shards.stop()
+        _reap_orphans(keep=before)
+
+
+def _supervise(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun, forwarding SIGINT/SIGTERM/SIGHUP; SIGKILL it if it ignores them."""
+    # Own session: a terminal Ctrl-C reaches only us, and we forward it exactly once.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    kill_at: list[float] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if kill_at:  # a second signal: stop waiting politely
+            kill_at[0] = 0.0
+        else:
+            kill_at.append(time.monotonic() + FORWARD_GRACE)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous: dict[int, Any] = {}
+    with contextlib.suppress(ValueError):  # not the main thread: no forwarding possible
+        for s in sigs:
+            previous[s] = signal.signal(s, forward)
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if kill_at and time.monotonic() >= kill_at[0]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:  # we are unwinding on an exception: take torchrun down too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code
+
+
+# --------------------------------------------------------------------------- ps, demo, bench
+
+
+def _configure_ps(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (0.0.0.0 to accept other machines)")
+    p.add_argument("--port", type=_nonneg_int, required=True, help="port (0: pick a free one)")
+    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the shared token (default: env STRATAGEM_PS_TOKEN)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+
+
+def _import_or_explain(command: str, module: str) -> Any | None:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        print(f"stratagem {command}: cannot import {module} ({e}); is stratagem fully "
+              "installed (pip install -e '.[examples]')?", file=sys.stderr)
+        return None
+
+
+@subcommand("ps", "start one parameter-server shard (for multi-machine jobs)",
+            configure=_configure_ps)
+def _ps(args: argparse.Namespace) -> int:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("stratagem ps: error: TLS needs both --tls-cert and --tls-key, got only "
+              f"{'--tls-cert' if args.tls_cert else '--tls-key'}", file=sys.stderr)
+        return 2
+    token = os.environ.get("STRATAGEM_PS_TOKEN") or None
+    if args.token_file is not None:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as e:
+            print(f"stratagem ps: error: cannot read --token-file: {e}", file=sys.stderr)
+            return 2
+    server = _import_or_explain("ps", "stratagem.ps.server")
+    if server is None:
+        return 2
+    server.serve(args.host, args.port, token=token, tls_cert=args.tls_cert,
+                 tls_key=args.tls_key, port_file=args.port_file)
+    return 0
+
+
+def _delegate(command: str, module: str) -> Callable[[list[str]], int]:
+    def handler(argv: list[str]) -> int:
+        mod = _import_or_explain(command, module)
+        if mod is None:
+            return 2
+        return int(mod.main(argv) or 0)
+    return handler
+
+
+subcommand("demo", "run the main demo job (see the README)", passthrough=True)(
+    _delegate("demo", "stratagem.demo"))
+subcommand("bench", "run the benchmarks", passthrough=True)(_delegate("bench", "stratagem.bench"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,474 @@
+"""Launch a function on N worker processes on this machine: ``sg.launch`` and its supervisor.
+
+The parent process hosts the c10d ``TCPStore`` (like torchrun's agent store) so the store
+outlives any worker; workers find it through the usual environment variables and connect as
+clients. Results come back as bytes written with the standard :mod:`pickle` (real copies of
+tensors, never shared memory that dies with the worker). The first failure stops every other
+worker (SIGTERM, then SIGKILL after a grace period), so no process outlives the call.
+
+Environment given to every worker (the contract ``Comm.from_env`` relies on)::
+
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
+    TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT=0,
+    OMP_NUM_THREADS=1 (unless set), and with parameter-server shards
+    STRATAGEM_PS_ADDRS=host:port,... and STRATAGEM_NUM_PS=K.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any, cast
+
+from stratagem.errors import ParameterServerUnavailable, WorkerError
+
+__all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker_env"]
+
+#: Seconds between SIGTERM and SIGKILL when stopping processes.
+TERMINATE_GRACE = 5.0
+#: Seconds a worker that already returned its result gets to exit before it is killed.
+EXIT_GRACE = 30.0
+_MASTER_ADDR = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+# os.environ is process-global; spawn copies it at start(), so concurrent launches must not
+# interleave their temporary edits.
+_ENV_LOCK = threading.Lock()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exitcode(code: int) -> str:
+    """Human wording for a process exit code (negative = killed by that signal)."""
+    if code < 0:
+        return f"was killed by {_signal_name(-code)} ({-code})"
+    return f"exited with code {code}"
+
+
+def _package_root() -> str:
+    """The directory holding the ``stratagem`` package, for children's PYTHONPATH."""
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def child_pythonpath(env: Mapping[str, str]) -> str:
+    """PYTHONPATH that makes this very ``stratagem`` importable in a child process."""
+    parts = [_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+def worker_env(*, rank: int, world_size: int, master_port: int,
+               master_addr: str = _MASTER_ADDR, ps_addrs: Sequence[str] = (),
+               base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment variables one worker gets (see the module docstring)."""
+    base = os.environ if base is None else base
+    env = {
+        "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        # Older torch reads the attempt number whenever the agent store is used.
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    if "OMP_NUM_THREADS" not in base:
+        # N busy processes on a few cores: one intra-op thread each avoids oversubscription.
+        env["OMP_NUM_THREADS"] = "1"
+    if ps_addrs:
+        env["STRATAGEM_PS_ADDRS"] = ",".join(ps_addrs)
+        env["STRATAGEM_NUM_PS"] = str(len(ps_addrs))
+    return env
+
+
+def _kill_tree(pid: int, sig: int) -> None:
+    """Signal a worker's process group (it made itself leader), or the process alone."""
+    try:
+        os.killpg(pid, sig)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when the launching process dies, so a killed caller leaves no
+    orphans; a no-op where prctl is unavailable."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+# --------------------------------------------------------------------------- PS shards
+
+
+def ps_server_command(port_file: str, host: str = _MASTER_ADDR) -> list[str]:
+    """The command that starts one parameter-server shard writing its port to ``port_file``."""
+    return [sys.executable, "-m", "stratagem.ps.server", "--host", host, "--port", "0",
+            "--port-file", port_file]
+
+
+class PSShards:
+    """Running parameter-server shard processes started by :func:`start_ps_shards`.
+
+    ``stop()`` sends SIGTERM, waits up to ``grace`` seconds, then SIGKILLs whatever is left;
+    it is idempotent and also runs on context-manager exit, whatever the outcome of the job.
+    """
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], addresses: list[str],
+                 tmpdir: str) -> None:
+        self.procs = procs
+        self.addresses = addresses
+        self._tmpdir = tmpdir
+
+    def env(self) -> dict[str, str]:
+        """``STRATAGEM_PS_ADDRS`` and ``STRATAGEM_NUM_PS`` for the workers."""
+        if not self.addresses:
+            return {}
+        return {"STRATAGEM_PS_ADDRS": ",".join(self.addresses),
+                "STRATAGEM_NUM_PS": str(len(self.addresses))}
+
+    def stop(self, grace: float = TERMINATE_GRACE) -> None:
+        _stop_popens(self.procs, grace)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> PSShards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _stop_popens(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _kill_tree(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_tree(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=grace)
+
+
+def start_ps_shards(num_ps: int, *, host: str = _MASTER_ADDR,
+                    command: Callable[[str], list[str]] | None = None,
+                    startup_timeout: float = 60.0,
+                    env: Mapping[str, str] | None = None) -> PSShards:
+    """Start ``num_ps`` parameter-server shard processes and wait until each is listening.
+
+    ``command(port_file)`` builds each shard's argv (default :func:`ps_server_command`); the
+    shard must write its bound port to ``port_file`` once it listens, and exit on SIGTERM.
+    Raises :class:`ParameterServerUnavailable` (after stopping the others) if a shard exits
+    before writing its port or does not write it within ``startup_timeout`` seconds.
+    """
+    if num_ps < 0:
+        raise ValueError(f"num_ps must be >= 0, got {num_ps}; pass 0 for no shards")
+    make = command or (lambda f: ps_server_command(f, host))
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = child_pythonpath(child_env)
+    tmpdir = tempfile.mkdtemp(prefix="stratagem-ps-")
+    procs: list[subprocess.Popen[bytes]] = []
+    shards = PSShards(procs, [], tmpdir)
+    try:
+        files = [os.path.join(tmpdir, f"shard{i}.port") for i in range(num_ps)]
+        for f in files:
+            # Own session: a terminal Ctrl-C reaches the supervisor, which stops shards last.
+            procs.append(subprocess.Popen(make(f), env=child_env, start_new_session=True))
+        deadline = time.monotonic() + startup_timeout
+        for i, (p, f) in enumerate(zip(procs, files, strict=True)):
+            port = _await_port_file(p, f, deadline)
+            if port is None:
+                raise ParameterServerUnavailable(
+                    f"parameter-server shard {i} did not write its port to {f} within "
+                    f"{startup_timeout:g} s (command: {_cmd_text(p)}); check its output "
+                    "above, or raise startup_timeout if the machine is very slow")
+            shards.addresses.append(f"{host}:{port}")
+    except BaseException:
+        shards.stop()
+        raise
+    return shards
+
+
+def _cmd_text(proc: subprocess.Popen[bytes]) -> str:
+    return shlex.join(cast(list[str], proc.args))
+
+
+def _await_port_file(proc: subprocess.Popen[bytes], path: str, deadline: float) -> int | None:
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            text = Path(path).read_text().strip()
+            if text:
+                return int(text)  # a half-written file fails int() and is polled again
+        code = proc.poll()
+        if code is not None:
+            raise ParameterServerUnavailable(
+                f"parameter-server shard {describe_exitcode(code)} before listening "
+                f"(command: {_cmd_text(proc)}); its error output is above")
+        time.sleep(0.02)
+    return None
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _worker_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection,
+                 parent_pid: int) -> None:
+    """Entry point of a spawned worker: run ``fn`` and send one pickled report back."""
+    _die_with_parent(parent_pid)
+    # Own process group so the supervisor can stop the worker's own children too.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    code = 0
+    try:
+        result = fn(*args)
+        try:
+            payload = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise TypeError(f"the return value of {fn.__qualname__} cannot be pickled "
+                            f"({e}); return tensors, numbers or plain containers") from e
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+        code = code or 1  # returning via sys.exit(0) is still not a return value
+        payload = pickle.dumps(("err", f"{type(e).__name__}: {e}", traceback.format_exc()))
+    try:
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _check_picklable_target(fn: Callable[..., Any]) -> None:
+    if not callable(fn):
+        raise TypeError(f"launch() needs a callable fn, got {type(fn).__name__}")
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(
+            f"launch() starts workers with 'spawn', which cannot import {fn.__qualname__!r} "
+            "defined interactively (notebook/REPL); move it to a .py module and import it")
+
+
+@contextlib.contextmanager
+def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Temporarily set variables in os.environ, which spawn copies into the child."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+class _Supervisor:
+    """Watches the workers' result pipes and exit sentinels until all are done or one fails."""
+
+    def __init__(self) -> None:
+        self.procs: list[BaseProcess] = []
+        self.readers: dict[Connection, int] = {}
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, tuple[str, str]] = {}  # rank -> (summary, traceback)
+        self.exited: set[int] = set()
+
+    def add(self, proc: BaseProcess, reader: Connection) -> None:
+        self.readers[reader] = len(self.procs)
+        self.procs.append(proc)
+
+    def _read(self, conn: Connection) -> None:
+        rank = self.readers.pop(conn)
+        try:
+            kind, *rest = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return  # died without a report: the sentinel gives the exit code
+        except Exception as e:  # noqa: BLE001 - e.g. a result class the parent can't import
+            self.errors[rank] = (f"its result could not be unpickled here: {e}",
+                                 traceback.format_exc())
+            return
+        finally:
+            conn.close()
+        if kind == "ok":
+            self.results[rank] = rest[0]
+        else:
+            self.errors[rank] = (rest[0], rest[1])
+
+    def poll(self, timeout: float) -> WorkerError | None:
+        """Wait up to ``timeout`` s for events; return the first failure, if any."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs) if r not in self.exited}
+        ready = wait([*self.readers, *sentinels], timeout=timeout)
+        failed: list[tuple[bool, int]] = []
+        for obj in ready:
+            if isinstance(obj, Connection) and obj in self.readers:
+                rank = self.readers[obj]
+                self._read(obj)
+                if rank in self.errors:
+                    failed.append((False, rank))
+        for obj in ready:
+            if isinstance(obj, int) and obj in sentinels:
+                rank = sentinels[obj]
+                self.exited.add(rank)
+                self.procs[rank].join(timeout=1.0)
+                # Drain a report written just before exit (e.g. the traceback of a raise).
+                conn = next((c for c, r in self.readers.items() if r == rank), None)
+                if conn is not None and conn.poll(0):
+                    self._read(conn)
+                if self._exitcode(rank) != 0 or rank not in self.results:
+                    failed.append((rank not in self.errors, rank))
+        if not failed:
+            return None
+        # A rank that crashed without a report is the likeliest root cause: its peers'
+        # collectives fail *because* it vanished. Otherwise the lowest rank wins.
+        _, rank = max(failed, key=lambda f: (f[0], -f[1]))
+        return self._error(rank)
+
+    def _exitcode(self, rank: int) -> int:
+        code = self.procs[rank].exitcode
+        return 0 if code is None else code
+
+    def _error(self, rank: int) -> WorkerError:
+        code = self.procs[rank].exitcode
+        if rank in self.errors:
+            summary, tb = self.errors[rank]
+            return WorkerError(f"worker rank {rank} raised {summary}\n\n{tb}", rank=rank,
+                               exitcode=code, traceback_text=tb)
+        how = describe_exitcode(code) if code is not None else "closed its result pipe"
+        hint = ""
+        if code == 1:
+            hint = (" (if it failed while importing, fn must live in an importable module: "
+                    "see the worker's output above)")
+        return WorkerError(f"worker rank {rank} {how} before returning a result{hint}",
+                           rank=rank, exitcode=code)
+
+    @property
+    def done(self) -> bool:
+        return len(self.exited) == len(self.procs)
+
+    def stop_all(self, grace: float = TERMINATE_GRACE) -> None:
+        """SIGTERM every live worker, SIGKILL after ``grace`` s, and reap them."""
+        live = [(p, p.pid) for p in self.procs if p.exitcode is None and p.pid is not None]
+        for _, pid in live:
+            _kill_tree(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p, _ in live:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p, pid in live:
+            if p.exitcode is None:
+                _kill_tree(pid, signal.SIGKILL)
+                p.join(timeout=grace)
+            # The worker's own children (its process group) may outlive it: sweep them.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        for conn in self.readers:
+            conn.close()
+        self.readers.clear()
+
+
+def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any, ...] = (),
+           *, timeout: float | None = None, env: Mapping[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``nprocs`` worker processes; return their results in rank order.
+
+    Workers are started with the ``spawn`` method, so ``fn`` must be importable (defined at
+    module level of a .py file) and the calling script needs an ``if __name__ == "__main__"``
+    guard. With ``num_ps=K``, K parameter-server shards are started first and stopped after.
+    ``env`` adds variables to every worker's environment.
+
+    On failure: the first worker to raise, exit non-zero or die by a signal is reported as
+    :class:`~stratagem.WorkerError` naming its rank (with its traceback when it raised), after
+    every other worker has been stopped (SIGTERM, SIGKILL after a few seconds). If the job
+    runs longer than ``timeout`` seconds everything is stopped and ``WorkerError`` is raised.
+    A ``KeyboardInterrupt`` in the caller also stops every worker before propagating.
+    """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}; pass e.g. nprocs=2")
+    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
+        raise ValueError(f"num_ps must be an int >= 0, got {num_ps!r}; pass 0 for no shards")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    _check_picklable_target(fn)
+    from torch.distributed import TCPStore  # torch is heavy: import only when launching
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ctx = mp.get_context("spawn")
+    shards: PSShards | None = None
+    sup: _Supervisor | None = None
+    # Port 0 lets the OS pick a free port with no race; the store lives as long as this call.
+    store = TCPStore(_MASTER_ADDR, 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=60))
+    try:
+        if num_ps:
+            shards = start_ps_shards(num_ps)
+        base = {**os.environ, **(env or {})}
+        sup = _Supervisor()
+        for rank in range(nprocs):
+            wenv = worker_env(rank=rank, world_size=nprocs, master_port=store.port,
+                              ps_addrs=shards.addresses if shards else (), base=base)
+            wenv.update(env or {})
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker_main, args=(fn, tuple(args), w, os.getpid()),
+                            name=f"stratagem-worker-{rank}", daemon=False)
+            with _patched_environ(wenv):
+                p.start()
+            w.close()  # keep only the child's end open, so its death reads as EOF here
+            sup.add(p, r)
+        all_reported: float | None = None
+        while not sup.done:
+            left = 3600.0 if deadline is None else deadline - time.monotonic()
+            if len(sup.results) == nprocs:
+                # Every result is in hand: a worker stuck at exit (a non-daemon thread, a
+                # hanging destructor) must not hold the caller forever.
+                all_reported = all_reported or time.monotonic()
+                left = min(left, all_reported + EXIT_GRACE - time.monotonic())
+                if left <= 0:
+                    stuck = [r for r in range(nprocs) if r not in sup.exited]
+                    warnings.warn(f"workers {stuck} returned but did not exit within "
+                                  f"{EXIT_GRACE:g} s; they were killed", stacklevel=2)
+                    break
+            if left <= 0:
+                running = [r for r in range(nprocs) if r not in sup.exited]
+                raise WorkerError(
+                    f"launch timed out after {timeout:g} s with ranks {running} still running; "
+                    "all workers were stopped. Find the hang (often a collective waiting for "
+                    "a peer that never calls it) or pass a larger timeout=")
+            failure = sup.poll(min(left, 3600.0))
+            if failure is not None:
+                raise failure
+        return [sup.results[r] for r in range(nprocs)]
+    finally:
+        if sup is not None:
+            sup.stop_all()
+        if shards is not None:
+            shards.stop()
+        del store
