@@ -212,7 +212,7 @@ class Comm:
             return tensor
         assert self.group is not None and tensor.is_contiguous()
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _REDUCE_OPS[op]
+        opts.reduceOp = _REDUCE_OPS[op]  # type: ignore[assignment]
         t0 = time.perf_counter()
         self.num_collectives += 1
         self._wait(self.group.allreduce([tensor], opts), f"all_reduce({op})")

@@ -78,16 +78,16 @@ class StrategyOptimizer(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]

@@ -92,7 +92,9 @@ def run_ranks(
     alive = [i for i, t in enumerate(threads) if t.is_alive()]
     if errors:
         rank, exc, tb = sorted(errors, key=lambda e: e[0])[0]
-        exc.add_note(f"(raised on rank {rank})\n{tb}")
+        note = f"(raised on rank {rank})\n{tb}"
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(note)
         raise exc
     if alive:
         raise TimeoutError(f"ranks {alive} still running after {timeout}s")
