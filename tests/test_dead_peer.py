@@ -52,7 +52,11 @@ def test_dead_or_frozen_peer_is_named_within_timeout(how):
         # the survivor raises PeerTimeoutError naming rank 1 (died or froze)
         assert err.rank == 0, str(err)
         assert "PeerTimeoutError" in str(err) and "rank(s) 1" in str(err)
+        import re
+
+        surfaced = float(re.search(r"surfaced after ([0-9.]+)s", str(err)).group(1))
+        assert surfaced < TIMEOUT + 10, surfaced
     else:
         # the launcher names the dead rank (SIGKILL) — or the survivor names it first
         assert err.rank == 1 or "rank(s) 1" in str(err), str(err)
-    assert elapsed < TIMEOUT + 10 + 15  # + process start-up on a loaded 2-core machine
+    assert elapsed < 80  # process start-up dominates on a loaded 2-core machine
