@@ -8,6 +8,12 @@ no framing, no optimizer) and as a local ``copy_`` of the same bytes. Shards (ou
 ones) run as separate processes so they do not share the workers' GIL.
 
     PYTHONPATH=src python benchmarks/ps_throughput.py [--mb 8] [--seconds 2]
+        [--before-src DIR]
+
+Ours is one Downpour step as ``ParameterServer`` runs it: ``push_fetch_async`` (push and
+fetch in one round trip per shard). With ``--before-src DIR`` (another checkout's ``src``, e.g.
+``git archive HEAD src | tar -x -C /tmp/before``) the same cells also time that version's
+shards driven by ``push()`` then ``pull()`` (its data path), alternating with the others.
 
 Writes benchmarks/results/ps_throughput.{json,md}; prints the table. Target: ours / raw >= 0.7.
 """
@@ -75,11 +81,11 @@ def raw_server_main(port_file: str, nbytes: int, max_bytes: int) -> None:
     server.stop(0)
 
 
-def spawn(args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def spawn(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     fd, port_file = tempfile.mkstemp()
     os.close(fd)
     os.unlink(port_file)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": src or str(Path(__file__).resolve().parents[1] / "src")}
     proc = subprocess.Popen([sys.executable, *args, "--port-file", port_file], env=env,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
@@ -131,8 +137,8 @@ def run_workers(num_workers: int, seconds: float, make_step: Callable[[int], Cal
     return sum(moved) / (time.perf_counter() - t0) / 1e6
 
 
-def ours_step_factory(addrs: list[str], params: dict[str, torch.Tensor]
-                      ) -> Callable[[int], Callable[[], int]]:
+def ours_step_factory(addrs: list[str], params: dict[str, torch.Tensor],
+                      two_calls: bool = False) -> Callable[[int], Callable[[], int]]:
     grads = {k: torch.randn_like(v) * 1e-6 for k, v in params.items()}
     nbytes = 2 * sum(v.nbytes for v in params.values())
     # The first worker registers; the others get the existing values back.
@@ -144,9 +150,14 @@ def ours_step_factory(addrs: list[str], params: dict[str, torch.Tensor]
                                   optimizer_spec={"name": "sgd", "lr": 1e-3})
         table.register()
 
+        names = list(params)
+
         def step() -> int:
-            table.push(grads)
-            table.pull()
+            if two_calls:  # the data path before push_fetch: two round trips
+                table.push(grads)
+                table.pull()
+            else:
+                table.push_fetch_async(grads, fetch=names).result()
             return nbytes
         return step
     return make
@@ -192,6 +203,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell")
     ap.add_argument("--shards", default="1,2")
     ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--before-src", default=None,
+                    help="another checkout's src directory to time as 'before'")
     ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port-file", help=argparse.SUPPRESS)
     ap.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -212,7 +225,7 @@ def main() -> None:
         for num_workers in [int(x) for x in args.workers.split(",")]:
             procs: list[subprocess.Popen[bytes]] = []
             try:
-                ours_addrs, raw_addrs = [], []
+                ours_addrs, raw_addrs, before_addrs = [], [], []
                 for n in shard_bytes:
                     p, a = spawn(["-m", "stratagem.ps.server"])
                     procs.append(p)
@@ -220,21 +233,33 @@ def main() -> None:
                     p, a = spawn([__file__, "--raw-server", "--nbytes", str(n)])
                     procs.append(p)
                     raw_addrs.append(a)
+                    if args.before_src:
+                        p, a = spawn(["-m", "stratagem.ps.server"], src=args.before_src)
+                        procs.append(p)
+                        before_addrs.append(a)
                 ours_steps = ours_step_factory(ours_addrs, params)
                 raw_steps = raw_step_factory(raw_addrs, shard_bytes, max_bytes)
-                # Alternate short rounds so a change in machine load hits both sides alike.
-                ours_r, raw_r = [], []
+                before_steps = (ours_step_factory(before_addrs, params, two_calls=True)
+                                if args.before_src else None)
+                # Alternate short rounds so a change in machine load hits all sides alike.
+                ours_r, raw_r, before_r = [], [], []
                 for _ in range(args.rounds):
                     ours_r.append(run_workers(num_workers, args.seconds / args.rounds,
                                               ours_steps))
                     raw_r.append(run_workers(num_workers, args.seconds / args.rounds,
                                              raw_steps))
+                    if before_steps is not None:
+                        before_r.append(run_workers(num_workers, args.seconds / args.rounds,
+                                                    before_steps))
                 ours, raw = sum(ours_r) / len(ours_r), sum(raw_r) / len(raw_r)
             finally:
                 stop_all(procs)
             row = {"shards": num_shards, "workers": num_workers, "ours_MBps": round(ours, 1),
                    "raw_grpc_MBps": round(raw, 1), "ratio": round(ours / raw, 3),
                    "local_copy_MBps": round(local, 1)}
+            if before_r:
+                before = sum(before_r) / len(before_r)
+                row.update(before_MBps=round(before, 1), before_ratio=round(before / raw, 3))
             rows.append(row)
             print(row, flush=True)
     meta = {"param_MB": round(total_mb, 2), "num_tensors": len(params),
@@ -242,11 +267,18 @@ def main() -> None:
             "torch": torch.__version__, "malloc_tuned": tuned, "grpc": grpc.__version__, "cpus": os.cpu_count(),
             "command": " ".join(["python", "benchmarks/ps_throughput.py", *sys.argv[1:]])}
     lines = [f"# Parameter-server throughput ({total_mb:.1f} MB of parameters, push+pull per "
-             "step)", "",
-             "| shards | workers | ours MB/s | raw gRPC MB/s | ours / raw | local copy MB/s |",
-             "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['shards']} | {r['workers']} | {r['ours_MBps']} | {r['raw_grpc_MBps']} | "
-              f"{r['ratio']:.2f} | {r['local_copy_MBps']} |" for r in rows]
+             "step)", ""]
+    if args.before_src:
+        lines += ["| shards | workers | before MB/s | ours MB/s | raw gRPC MB/s | before / raw "
+                  "| ours / raw | local copy MB/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['shards']} | {r['workers']} | {r['before_MBps']} | {r['ours_MBps']} | "
+                  f"{r['raw_grpc_MBps']} | {r['before_ratio']:.2f} | {r['ratio']:.2f} | "
+                  f"{r['local_copy_MBps']} |" for r in rows]
+    else:
+        lines += ["| shards | workers | ours MB/s | raw gRPC MB/s | ours / raw | local copy "
+                  "MB/s |", "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['shards']} | {r['workers']} | {r['ours_MBps']} | {r['raw_grpc_MBps']} "
+                  f"| {r['ratio']:.2f} | {r['local_copy_MBps']} |" for r in rows]
     lines += ["", f"`{meta['command']}` — {meta['cpus']} CPUs, torch {meta['torch']}, grpcio "
               f"{meta['grpc']}. MB/s counts gradient bytes pushed plus parameter bytes pulled."]
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ def test_register_is_idempotent_first_wins(client: PSClient) -> None:
 
 
 @pytest.mark.parametrize("spec", [
+    {"name": "sgd", "lr": 0.1},  # the shard's fast path: must equal torch exactly
     {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
     {"name": "sgd", "lr": 0.1, "momentum": 0.5, "dampening": 0.1},
     {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99], "weight_decay": 0.1, "amsgrad": True},
@@ -286,3 +287,19 @@ def test_many_waiters_do_not_starve_pushes() -> None:
     finally:
         for s in servers:
             s.stop(0)
+
+
+def test_push_fetch_returns_the_values_after_the_push(shards) -> None:
+    _, addrs = shards
+    params = _params()
+    with PSClient(addrs, timeout=10) as client:
+        table = ShardedParameters(client, params, optimizer_spec={"name": "sgd", "lr": 0.5},
+                                  partitioner=FixedShardsPartitioner(2))
+        table.register()
+        grads = _grads(params, 0)
+        got = table.push_fetch_async({"w": grads["w"]}, fetch=["w", "b", "e"]).result()
+        assert got.outcomes["w"].applied and got.versions == {"w": 1, "b": 0, "e": 0}
+        pulled = table.pull()
+        for k in params:
+            assert_close(got.values[k], pulled[k], atol=0, rtol=0)
+        assert_close(got.values["w"], params["w"] - 0.5 * grads["w"])

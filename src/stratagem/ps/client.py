@@ -26,7 +26,8 @@ from stratagem.ps import wire
 from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
 from stratagem.ps.wire import Entry, Message
 
-__all__ = ["PSClient", "PSFuture", "ShardedParameters", "PushOutcome", "RemoteError"]
+__all__ = ["PSClient", "PSFuture", "ShardedParameters", "PushOutcome", "PushFetch",
+           "RemoteError"]
 
 T = TypeVar("T")
 Request = tuple[int, str, "Mapping[str, Any] | None", Sequence[Entry]]
@@ -61,6 +62,14 @@ class PushOutcome(NamedTuple):
     def accepted(self) -> bool:
         """Not dropped: applied, or held for the sync mean of this version."""
         return self.status != "dropped"
+
+
+class PushFetch(NamedTuple):
+    """What :meth:`ShardedParameters.push_fetch_async` returns."""
+
+    outcomes: dict[str, PushOutcome]  # per pushed tensor
+    values: dict[str, torch.Tensor]  # per fetched tensor, after the push
+    versions: dict[str, int]  # per fetched tensor, the version of ``values``
 
 
 class PSFuture(Generic[T]):
@@ -380,6 +389,21 @@ class ShardedParameters:
                                for s, parts in sorted(self._by_shard(names).items())]
         return self.client.submit(reqs, lambda ms: self._assemble(ms, names, into))
 
+    def fetch_async(self, names: Sequence[str] | None = None
+                    ) -> PSFuture[tuple[dict[str, torch.Tensor], dict[str, int]]]:
+        """Start pulling ``names``; the result is ``(values, versions)`` with each tensor's
+        (lowest part's) version, read from the same snapshot as its value."""
+        names = self.names if names is None else list(names)
+        reqs: list[Request] = [(s, "pull", {"names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(names).items())]
+
+        def finish(msgs: list[Message]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+            seen = {e.name: int(e.version or 0) for m in msgs for e in m.entries}
+            values = self._assemble(msgs, names)
+            return values, {n: min(seen[p.key] for p in self._parts[n]) for n in names}
+
+        return self.client.submit(reqs, finish)
+
     def pull(self, names: Sequence[str] | None = None, *,
              into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Current values (copied into ``into[name]`` where given, e.g. the model's params)."""
@@ -402,14 +426,30 @@ class ShardedParameters:
                    compress: str | None = None, max_staleness: int | None = None
                    ) -> PSFuture[dict[str, PushOutcome]]:
         """Start pushing gradients computed on ``base_versions`` (default: last pulled)."""
+        fut = self.push_fetch_async(grads, base_versions, fetch=None, compress=compress,
+                                    max_staleness=max_staleness)
+        return PSFuture(self.client, fut._calls, lambda ms: fut._finish(ms).outcomes,
+                        fut._seconds)
+
+    def push_fetch_async(self, grads: Mapping[str, torch.Tensor],
+                         base_versions: Mapping[str, int] | int | None = None, *,
+                         fetch: Sequence[str] | None, compress: str | None = None,
+                         max_staleness: int | None = None) -> PSFuture[PushFetch]:
+        """Push gradients and fetch ``fetch`` (tensor names) in one round trip per shard:
+        each shard applies the push, then answers with the values after it (a Downpour step).
+        """
         if compress not in _COMPRESS:
             raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
         cdtype = _COMPRESS[compress]
         names = list(grads)
+        fetch_names = [] if fetch is None else list(fetch)
         by_shard = self._by_shard(names)
+        fetch_by_shard = self._by_shard(fetch_names)
+        ms = self.max_staleness if max_staleness is None else max_staleness
         reqs: list[Request] = []
         order: list[list[Part]] = []
-        for shard, parts in sorted(by_shard.items()):
+        for shard in sorted(set(by_shard) | set(fetch_by_shard)):
+            parts = by_shard.get(shard, [])
             entries = []
             for p in parts:
                 g = grads[p.name]
@@ -420,16 +460,24 @@ class ShardedParameters:
                 if cdtype is not None and g.is_floating_point():
                     g = g.to(cdtype)
                 entries.append(Entry(p.key, g, self._base(p, base_versions)))
-            ms = self.max_staleness if max_staleness is None else max_staleness
-            reqs.append((shard, "push", {"max_staleness": ms}, entries))
+            fields: dict[str, Any] = {"max_staleness": ms}
+            if fetch is not None:
+                fields["fetch"] = [p.key for p in fetch_by_shard.get(shard, [])]
+            reqs.append((shard, "push", fields, entries))
             order.append(parts)
 
-        def finish(msgs: list[Message]) -> dict[str, PushOutcome]:
+        def finish(msgs: list[Message]) -> PushFetch:
             per_part: dict[str, list[PushOutcome]] = {}
             for parts, m in zip(order, msgs, strict=True):
                 for p, r in zip(parts, m.fields["results"], strict=True):
                     per_part.setdefault(p.name, []).append(PushOutcome(*r))
-            return {n: _combine(per_part[n]) for n in names}
+            outcomes = {n: _combine(per_part[n]) for n in names}
+            if fetch is None:
+                return PushFetch(outcomes, {}, {})
+            seen = {e.name: int(e.version or 0) for m in msgs for e in m.entries}
+            values = self._assemble(msgs, fetch_names)
+            versions = {n: min(seen[p.key] for p in self._parts[n]) for n in fetch_names}
+            return PushFetch(outcomes, values, versions)
 
         return self.client.submit(reqs, finish)
 
@@ -441,7 +489,7 @@ class ShardedParameters:
         return self.push_async(grads, base_versions, compress=compress,
                                max_staleness=max_staleness).result()
 
-    def _row_parts(self, name: str, indices: torch.Tensor
+    def _row_parts(self, name: str, indices: torch.Tensor, every_part: bool = False
                    ) -> list[tuple[Part, torch.Tensor, torch.Tensor]]:
         parts = self._check(name)
         shape = self._shapes[name]
@@ -454,24 +502,33 @@ class ShardedParameters:
         out = []
         for p in parts:
             mask = (idx >= p.row_start) & (idx < p.row_end)
-            if p.num_parts == 1 or bool(mask.any()):
+            if every_part or p.num_parts == 1 or bool(mask.any()):
                 out.append((p, mask, idx[mask] - p.row_start))
         return out
 
     def pull_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """Rows ``indices`` of 2-D+ tensor ``name`` (e.g. the embeddings of a batch's tokens)."""
+        return self.pull_rows_versioned(name, indices)[0]
+
+    def pull_rows_versioned(self, name: str, indices: torch.Tensor
+                            ) -> tuple[torch.Tensor, int]:
+        """:meth:`pull_rows` plus the (lowest part's) version the rows were read at."""
         routed = self._row_parts(name, indices)
         reqs: list[Request] = [(p.shard, "pull_rows", {"name": p.key},
                                 [Entry("indices", local)]) for p, _, local in routed]
         n = int(torch.as_tensor(indices).numel())
 
-        def finish(msgs: list[Message]) -> torch.Tensor:
+        def finish(msgs: list[Message]) -> tuple[torch.Tensor, int]:
+            version = min((int(m.entries[0].version or 0) for m in msgs), default=0)
+            with self._vlock:
+                for (p, _, _), m in zip(routed, msgs, strict=True):
+                    self._versions[p.key] = int(m.entries[0].version or 0)
             if len(routed) == 1 and routed[0][0].num_parts == 1:
-                return msgs[0].entries[0].tensor
+                return msgs[0].entries[0].tensor, version
             out = torch.empty((n, *self._shapes[name][1:]), dtype=self._dtypes[name])
             for (_, mask, _), m in zip(routed, msgs, strict=True):
                 out[mask] = m.entries[0].tensor
-            return out
+            return out, version
 
         return self.client.submit(reqs, finish).result()
 
@@ -479,9 +536,17 @@ class ShardedParameters:
                     base_version: int | None = None, compress: str | None = None,
                     max_staleness: int | None = None) -> PushOutcome:
         """Push the gradient rows ``values`` of rows ``indices`` (duplicates are summed)."""
+        return self.push_sparse_async(name, indices, values, base_version=base_version,
+                                      compress=compress, max_staleness=max_staleness).result()
+
+    def push_sparse_async(self, name: str, indices: torch.Tensor, values: torch.Tensor, *,
+                          base_version: int | None = None, compress: str | None = None,
+                          max_staleness: int | None = None) -> PSFuture[PushOutcome]:
+        """Start :meth:`push_sparse`. In ``"sync"`` mode every part of a partitioned tensor
+        gets a (possibly empty) push, so every part's version advances together."""
         if compress not in _COMPRESS:
             raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
-        routed = self._row_parts(name, indices)
+        routed = self._row_parts(name, indices, every_part=self.mode == "sync")
         values = values.reshape(-1, *self._shapes[name][1:])
         cdtype = _COMPRESS[compress]
         if cdtype is not None:
@@ -493,8 +558,7 @@ class ShardedParameters:
             reqs.append((p.shard, "push_sparse", {"name": p.key, "max_staleness": ms},
                          [Entry("indices", local), Entry("values", values[mask], base)]))
         return self.client.submit(
-            reqs, lambda ms_: _combine([PushOutcome(*m.fields["results"][0]) for m in ms_])
-        ).result()
+            reqs, lambda ms_: _combine([PushOutcome(*m.fields["results"][0]) for m in ms_]))
 
     def elastic_exchange(self, params: Mapping[str, torch.Tensor], moving_rate: float
                          ) -> dict[str, torch.Tensor]:
@@ -511,55 +575,84 @@ class ShardedParameters:
             for s, parts in sorted(self._by_shard(names).items())]
         return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
 
-    def wait_version(self, min_version: int, timeout: float | None = None
-                     ) -> dict[str, torch.Tensor]:
-        """Block until every tensor reaches ``min_version``; returns the values then.
+    def wait_version(self, min_version: int, timeout: float | None = None, *,
+                     names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Block until every tensor (of ``names``, default all) reaches ``min_version``;
+        returns the values then.
 
         Raises :class:`stratagem.errors.PeerTimeoutError` after ``timeout`` seconds (default:
         the client's timeout) if it was not reached, e.g. because workers died.
         """
+        names = self.names if names is None else list(names)
+        values, _ = self.wait_for({n: int(min_version) for n in names}, timeout=timeout)
+        return values
+
+    def wait_for(self, targets: Mapping[str, int], *, fetch: Sequence[str] | None = None,
+                 timeout: float | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Block until tensor ``name`` reaches version ``targets[name]`` for every name.
+
+        Returns ``(values, versions)``: the values of ``fetch`` (default: every name in
+        ``targets``) and the versions of every name in ``targets`` once reached. Raises
+        :class:`stratagem.errors.PeerTimeoutError` after ``timeout`` seconds (default: the
+        client's timeout) naming the shards that did not get there.
+        """
         wait = self.client.timeout if timeout is None else float(timeout)
-        names = self.names
+        names = list(targets)
+        wanted = names if fetch is None else list(fetch)
+        wanted_keys = {p.key for n in wanted for p in self._check(n)}
+        goal = {p.key: int(targets[n]) for n in names for p in self._check(n)}
         pending = dict(sorted(self._by_shard(names).items()))
         got: list[Message] = []
+        versions: dict[str, int] = {}
         deadline = time.monotonic() + wait
         # Shards bound each wait (and answer early when busy), so poll until our deadline.
         while True:
             remaining = max(0.0, deadline - time.monotonic())
             shards = list(pending)
-            reqs: list[Request] = [(s, "wait_version", {"min_version": int(min_version),
-                                                        "timeout": remaining,
-                                                        "names": [p.key for p in pending[s]]},
-                                    ()) for s in shards]
+            reqs: list[Request] = []
+            for s in shards:
+                keys = [p.key for p in pending[s]]
+                reqs.append((s, "wait_version", {
+                    "timeout": remaining, "names": keys,
+                    "min_versions": {k: goal[k] for k in keys},
+                    "fetch": [k for k in keys if k in wanted_keys]}, ()))
             msgs = self.client.submit(reqs, lambda ms: ms,
                                       timeout=remaining + self.client.timeout).result()
             for s, m in zip(shards, msgs, strict=True):
                 if m.fields.get("reached"):
                     got.append(m)
+                    versions.update(m.fields.get("versions", {}))
                     del pending[s]
             if not pending:
-                return self._assemble(got, names)
+                values = self._assemble(got, wanted)
+                return values, {n: min(versions[p.key] for p in self._parts[n]) for n in names}
             if time.monotonic() >= deadline:
                 break
         late = [self.client.addresses[s] for s in pending]
-        lows = {e.name: e.version for m in msgs for e in m.entries
-                if e.version is not None and e.version < min_version}
+        lows = {k: v for m in msgs for k, v in m.fields.get("versions", {}).items()
+                if v < goal.get(k, 0)}
         raise PeerTimeoutError(
-            f"parameter-server shard(s) {late} did not reach version {min_version} within "
-            f"{wait:g} s (still at {dict(list(lows.items())[:3])}): fewer than "
-            f"replicas_to_aggregate={self.replicas_to_aggregate} workers pushed; check for "
-            "dead workers or lower replicas_to_aggregate")
+            f"parameter-server shard(s) {late} did not reach version "
+            f"{max(goal.values(), default=0)} within {wait:g} s (still at "
+            f"{dict(list(lows.items())[:3])}): fewer than replicas_to_aggregate="
+            f"{self.replicas_to_aggregate} workers pushed; check for dead workers or lower "
+            "replicas_to_aggregate")
 
-    def set_hyperparameters(self, **hyperparams: Any) -> None:
-        """Change optimizer hyperparameters on the shards (e.g. ``lr`` from a scheduler)."""
+    def set_hyperparameters(self, names: Sequence[str] | None = None,
+                            **hyperparams: Any) -> None:
+        """Change optimizer hyperparameters on the shards (e.g. ``lr`` from a scheduler), for
+        the tensors ``names`` (default: all)."""
+        names = self.names if names is None else list(names)
         hyper = {k: ps_optim._jsonable(k, v) for k, v in hyperparams.items()}
-        for _name, spec in self._specs.items():
+        for name in names:
+            spec = self._specs[name]
             if spec is not None:
                 ps_optim.validate_spec({**spec, **hyper})
                 spec.update(hyper)
         reqs: list[Request] = [(s, "set_hyperparams", {"hyperparams": hyper,
                                                        "names": [p.key for p in parts]}, ())
-                               for s, parts in sorted(self._by_shard(self.names).items())]
+                               for s, parts in sorted(self._by_shard(names).items())]
         self.client.submit(reqs, lambda ms: None).result()
 
     def get_state(self) -> dict[str, Any]:

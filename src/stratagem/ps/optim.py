@@ -36,9 +36,17 @@ _NAMES = {cls: name for name, cls in OPTIMIZERS.items()}
 _IGNORED = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 
-def _allowed(cls: type[torch.optim.Optimizer]) -> set[str]:
-    params = inspect.signature(cls.__init__).parameters
-    return {p for p in params if p not in ("self", "params")} - _IGNORED
+_ALLOWED: dict[type, frozenset[str]] = {}
+
+
+def _allowed(cls: type[torch.optim.Optimizer]) -> frozenset[str]:
+    # Cached: a strategy compares its optimizer's spec every step (LR schedulers).
+    found = _ALLOWED.get(cls)
+    if found is None:
+        params = inspect.signature(cls.__init__).parameters
+        found = _ALLOWED[cls] = frozenset(p for p in params
+                                          if p not in ("self", "params")) - _IGNORED
+    return found
 
 
 def _jsonable(key: str, value: Any) -> Any:
@@ -57,7 +65,9 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0) -> dict[str
     name = _NAMES.get(type(optimizer))
     if name is None:
         raise TypeError(f"optimizer {type(optimizer).__name__} cannot run on parameter-server "
-                        f"shards; supported: {[c.__name__ for c in OPTIMIZERS.values()]}")
+                        f"shards; supported: {', '.join(c.__name__ for c in OPTIMIZERS.values())}"
+                        ". Fix: build one of those (the shards rebuild it from its class and "
+                        "hyperparameters), or use a strategy that steps locally (Mirrored)")
     allowed = _allowed(type(optimizer))
     spec: dict[str, Any] = {"name": name}
     for k, v in optimizer.param_groups[group].items():

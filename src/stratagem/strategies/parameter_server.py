@@ -1,0 +1,702 @@
+"""Parameter-server training: Downpour SGD (async) and synchronous replicas with backups (sync).
+
+Dean et al., "Large Scale Distributed Deep Networks", NeurIPS 2012 (Downpour SGD): the
+parameters live on parameter-server shards, each worker computes gradients on its copy,
+pushes them (every ``push_every`` steps, accumulated in between) and fetches fresh parameters
+(every ``fetch_every`` steps); the shards apply each gradient as it arrives, whatever version
+of the parameters it was computed on. ``max_staleness`` drops gradients computed on
+parameters more than that many versions old (TensorFlow's ``DropStaleGradientOptimizer``).
+
+``mode="sync"`` is TensorFlow's ``SyncReplicasOptimizer``: each version of the parameters is
+the previous one updated with the mean of ``replicas_to_aggregate`` gradients computed on it;
+with more workers than that the extra ones are *backup workers* whose late gradients are
+dropped, so a straggler does not slow the step down.
+
+The optimizer given to ``prepare`` is rebuilt on the shards from its class and hyperparameters
+(:mod:`stratagem.ps.optim`): the update rule runs where the parameters live and the worker holds
+parameters and gradients only. Transport, placement and the shard side are
+:mod:`stratagem.ps`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..compression import COMPRESSIONS, ErrorFeedback
+from ..ps import optim as ps_optim
+from ..strategy import Prepared, Strategy, StrategyOptimizer
+
+if TYPE_CHECKING:
+    from ..ps.client import PSClient, PSFuture, PushOutcome, ShardedParameters
+    from ..ps.placement import Partitioner
+
+__all__ = ["ParameterServer"]
+
+_MODES = ("async", "sync")
+
+
+@dataclass
+class _OptState:
+    """Per wrapped optimizer: its tensors on the shards and the schedule counters."""
+
+    optimizer: torch.optim.Optimizer  # the user's (never stepped: its state stays empty)
+    keys: list[str]  # shard names of the parameters it steps, in param-group order
+    params: list[nn.Parameter]
+    group_keys: list[list[str]]
+    sent_specs: list[dict[str, Any]]  # last hyperparameters sent, per param group
+    steps: int = 0
+    acc: dict[str, torch.Tensor] = field(default_factory=dict)  # push_every accumulation
+    acc_base: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Job:
+    """What a push/fetch in flight returns: push outcomes, fetched values and versions."""
+
+    outcomes: dict[str, PushOutcome]
+    values: dict[str, torch.Tensor]
+    versions: dict[str, int]
+
+
+class _PSState:
+    """Per prepared model: the shard table and what this worker knows about its tensors."""
+
+    def __init__(self, table: ShardedParameters, by_key: dict[str, nn.Parameter],
+                 sparse: set[str]) -> None:
+        self.table = table
+        self.by_key = by_key
+        self.key_of = {id(p): k for k, p in by_key.items()}
+        self.sparse = sparse  # keys of nn.Embedding(sparse=True) weights: rows on demand
+        self.base: dict[str, int] = {}  # version of the values this worker holds, per key
+        self.opts: dict[int, _OptState] = {}
+        self.pending: concurrent.futures.Future[_Job] | None = None
+        self.hooks: list[Any] = []
+        self.rows_pulled: set[str] = set()  # sparse keys pulled since the last push
+
+
+class ParameterServer(Strategy):
+    """Parameters on parameter-server shards; workers push gradients and pull parameters.
+
+    Arguments (keyword only):
+
+    - ``mode``: ``"async"`` (Downpour SGD) or ``"sync"`` (``SyncReplicasOptimizer``).
+    - ``push_every`` / ``fetch_every`` (async, int >= 1): push the gradients accumulated
+      (summed, Downpour's "accrued gradients") over that many optimizer steps / fetch the
+      parameters every that many steps. Sync mode needs both at 1.
+    - ``max_staleness`` (async, int >= 0 or None): the shards drop a gradient computed on
+      parameters more than that many versions old (counted in ``metrics()``).
+    - ``replicas_to_aggregate`` (sync, default: ``num_replicas_in_sync``): gradients averaged
+      per version; with fewer than the workers, the late ones are dropped (backup workers).
+    - ``partitioner``, ``small_tensor_bytes``: placement on the shards
+      (:mod:`stratagem.ps.placement`): big tensors split along dim 0, small ones grouped.
+    - ``compression`` (None, ``"fp16"``, ``"bf16"``): gradients are pushed in 16 bits (half
+      the bytes); ``error_feedback=True`` keeps what the cast lost and adds it to the next push
+      (:mod:`stratagem.compression`). An fp16 overflow is never pushed: that push is skipped and
+      counted in ``nonfinite_pushes_skipped``.
+    - ``prefetch`` (bool): overlap the fetch with the next step's compute (see below).
+    - ``ps_addresses``: ``"host:port,host:port"`` or a list; default ``STRATAGEM_PS_ADDRS``
+      (set by ``stratagem run --num-ps K`` and ``sg.launch(..., num_ps=K)``).
+    - Common arguments (``precision``, ``accumulation_steps``, ``timeout``...) as every strategy.
+
+    The optimizer given to ``prepare`` must be SGD, Adam, AdamW, RMSprop or Adagrad (else
+    ``TypeError``); each param group keeps its hyperparameters, and a change of them on the
+    worker (an LR scheduler) is sent to the shards at the next push. Its local state stays
+    empty: ``strategy.save`` reads the optimizer state from the shards and writes it in
+    torch's ``state_dict`` format, so checkpoints move between strategies and shard counts.
+    Parameters no optimizer steps, and buffers (BatchNorm statistics), stay local to each
+    worker; checkpoints hold the chief's buffers.
+
+    A worker starting or restarting registers the model (the first registration wins) and
+    starts from the values on the shards, without waiting for any other worker. Async mode
+    uses no collective while training, so workers may also be launched as separate processes
+    (``comm=sg.Comm.single()``). Sync mode agrees on skipping a non-finite step through the
+    process group, so its workers must share one; in async mode each worker decides alone and
+    a non-finite gradient is never pushed.
+
+    Prefetch (the default). Async: right after the push, the next parameters are pulled in the
+    background while the next forward/backward computes, and installed at the next optimizer
+    step; the next forward therefore uses the parameters installed at the *previous* step, all
+    of them from one fetch (never a mix), i.e. every gradient is one fetch older (delayed SGD,
+    as tf_cnn_benchmarks' staged variables). The gradient's base version is recorded at
+    install, so ``staleness`` and ``max_staleness`` count honestly. Sync: the wait for the new
+    version runs in the background and is installed before the next forward (a forward
+    pre-hook) — the forward always uses the new version, so results equal ``prefetch=False``;
+    the user's code between ``optimizer.step()`` and the next forward overlaps the wait, and
+    reading the parameters there shows the previous version (and a ``PeerTimeoutError`` of
+    that wait surfaces in the next forward). ``model.state_dict()``, ``eval_model``,
+    ``global_version``, ``save`` and ``restore`` install what is in flight first. In async
+    mode the fetch rides on the push: one round trip per shard, which applies the gradient and
+    answers with the values after it.
+
+    Backup workers (sync, ``replicas_to_aggregate`` < workers): stop on ``global_version``
+    (the global step), not on a local step count — a worker whose gradient is the only one of
+    the last version would wait for peers that stopped and raise ``PeerTimeoutError``.
+
+    Sparse embeddings: the weight of an ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(
+    sparse=True)`` is pushed as the touched rows only and its rows are pulled on demand,
+    just before each forward of that module (a forward pre-hook); fetches skip it.
+
+    ``eval_model(model)`` pulls the current global parameters into ``model`` and returns it.
+
+    On failure: an unreachable or silent shard raises ``ParameterServerUnavailable`` naming
+    its address within ``timeout`` seconds; in sync mode a version not reached within
+    ``timeout`` (fewer than ``replicas_to_aggregate`` workers pushing) raises
+    ``PeerTimeoutError``. A worker dying affects no other worker in async mode (the shards keep
+    serving), and in sync mode only when fewer than ``replicas_to_aggregate`` remain.
+
+    Memory: the worker holds its parameters and gradients (no optimizer state), plus one
+    gradient copy with ``push_every > 1`` (the accumulation), one with ``error_feedback``,
+    and, while a fetch is in flight, the received message (one copy of the fetched
+    parameters). A shard holds its slice and the optimizer's state for it.
+    """
+
+    name = "ps"
+
+    def __init__(self, *, mode: str = "async", push_every: int = 1, fetch_every: int = 1,
+                 max_staleness: int | None = None, replicas_to_aggregate: int | None = None,
+                 partitioner: Partitioner | None = None, small_tensor_bytes: int = 65536,
+                 compression: str | None = None, error_feedback: bool = False,
+                 prefetch: bool = True, ps_addresses: str | Sequence[str] | None = None,
+                 **common: Any) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}. Fix: pass "
+                             "mode='async' (Downpour SGD) or mode='sync' (aggregated steps)")
+        push_every = _check_count("push_every", push_every)
+        fetch_every = _check_count("fetch_every", fetch_every)
+        if mode == "sync" and (push_every != 1 or fetch_every != 1):
+            raise ValueError(f"mode='sync' pushes and fetches every step, got push_every="
+                             f"{push_every}, fetch_every={fetch_every}. Fix: drop them, or use "
+                             "mode='async'")
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(
+                max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"max_staleness must be None or an int >= 0, got "
+                             f"{max_staleness!r}. Fix: pass e.g. max_staleness=4")
+        if max_staleness is not None and mode == "sync":
+            raise ValueError(f"max_staleness applies to mode='async' (sync mode drops every "
+                             f"late gradient), got max_staleness={max_staleness!r}. Fix: drop "
+                             "it")
+        if replicas_to_aggregate is not None:
+            replicas_to_aggregate = _check_count("replicas_to_aggregate", replicas_to_aggregate)
+            if mode != "sync":
+                raise ValueError(f"replicas_to_aggregate applies to mode='sync', got "
+                                 f"replicas_to_aggregate={replicas_to_aggregate} with "
+                                 f"mode={mode!r}. Fix: drop it or pass mode='sync'")
+        small_tensor_bytes = _check_count("small_tensor_bytes", small_tensor_bytes)
+        if compression is not None and compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be None, 'fp16' or 'bf16', got "
+                             f"{compression!r}. Fix: pass one of those")
+        if error_feedback and compression is None:
+            raise ValueError("error_feedback=True needs a lossy compression, got "
+                             "compression=None. Fix: pass compression='fp16' or 'bf16', or drop "
+                             "error_feedback")
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        self.ps_addresses = _ps_addresses(ps_addresses)
+        super().__init__(**common)
+        self.mode = mode
+        self.push_every = push_every
+        self.fetch_every = fetch_every
+        self.max_staleness = max_staleness
+        self.replicas_to_aggregate = (replicas_to_aggregate if replicas_to_aggregate is not None
+                                      else self.num_replicas_in_sync)
+        self.partitioner = partitioner
+        self.small_tensor_bytes = small_tensor_bytes
+        self.compression = compression
+        self.prefetch = prefetch
+        self._feedback = ErrorFeedback(compression, deferred=True) \
+            if error_feedback and compression is not None else None
+        # Sync: every worker must push for every version, so a skip is agreed by all.
+        self._synchronous_step = mode == "sync"
+        self._client: PSClient | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ps_seen: tuple[float, float, float] = (0, 0, 0.0)
+        self._staleness: collections.Counter[int] = collections.Counter()
+        self._dropped = 0
+        self._pushes = 0
+        self._nonfinite_pushes = 0
+        self._sparse_rows_pulled = 0
+
+    # ------------------------------------------------------------------ setup
+    def _initial_sync(self, model: nn.Module) -> None:
+        # No collective: a (re)starting worker registers (first registration wins) and starts
+        # from the values on the shards in _setup, without waiting for anyone.
+        pass
+
+    def _setup(self, prepared: Prepared) -> None:
+        from ..ps.client import PSClient, ShardedParameters
+
+        if self._client is None:
+            self._client = PSClient(self.ps_addresses, timeout=self.timeout)
+            self._client.wait_ready(timeout=self.timeout)
+        index = len(self._prepared) - 1
+        prefix = "" if index == 0 else f"model{index}/"
+        names = prepared.param_names
+        by_key: dict[str, nn.Parameter] = {}
+        specs: dict[str, dict[str, Any]] = {}
+        opt_states: dict[int, _OptState] = {}
+        for opt in prepared.optimizers:
+            keys: list[str] = []
+            params: list[nn.Parameter] = []
+            group_keys: list[list[str]] = []
+            sent: list[dict[str, Any]] = []
+            for gi, group in enumerate(opt.param_groups):
+                spec = ps_optim.optimizer_spec(opt.optimizer, gi)  # TypeError if unsupported
+                gk: list[str] = []
+                for p in group["params"]:
+                    if id(p) not in names:
+                        raise ValueError("the optimizer steps a tensor that is not a parameter "
+                                         "of the prepared model. Fix: build the optimizer from "
+                                         "model.parameters()")
+                    if not p.is_floating_point():
+                        continue
+                    key = prefix + names[id(p)]
+                    if key in by_key:
+                        raise ValueError(f"parameter {names[id(p)]!r} is stepped by two "
+                                         "optimizers or param groups; the shards run one "
+                                         "optimizer per tensor. Fix: list it once")
+                    by_key[key] = p
+                    specs[key] = spec
+                    keys.append(key)
+                    params.append(p)
+                    gk.append(key)
+                group_keys.append(gk)
+                sent.append(spec)
+            opt_states[id(opt)] = _OptState(opt.optimizer, keys, params, group_keys, sent)
+        sparse = {prefix + n + ".weight" for n, m in prepared.module.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                  and prefix + n + ".weight" in by_key}
+        table = ShardedParameters(
+            self._client, {k: p.detach() for k, p in by_key.items()}, mode=self.mode,
+            optimizer_specs=specs, replicas_to_aggregate=self.replicas_to_aggregate,
+            max_staleness=self.max_staleness, partitioner=self.partitioner,
+            small_tensor_bytes=self.small_tensor_bytes)
+        st = _PSState(table, by_key, sparse)
+        st.opts = opt_states
+        prepared.state["ps"] = st
+        if by_key:
+            # First registration wins: a worker starting after others starts from the current
+            # values, and pushes nothing before it has them.
+            values = table.register()
+            versions = table.versions
+            with torch.no_grad():
+                for k, p in by_key.items():
+                    p.copy_(values[k])
+                    st.base[k] = versions[k]
+            self._fold_ps_bytes()
+        for n, m in prepared.module.named_modules():
+            key = prefix + n + ".weight"
+            if key in sparse:
+                st.hooks.append(m.register_forward_pre_hook(self._rows_hook(st, key)))
+        if self.prefetch:
+            if self.mode == "sync":
+                st.hooks.append(prepared.module.register_forward_pre_hook(
+                    lambda module, args: self._install(st)))
+            # ``model.state_dict()`` after the last step shows the last update, not the one
+            # before (the fetch in flight is installed first).
+            st.hooks.append(prepared.module.register_state_dict_pre_hook(
+                lambda module, prefix, keep_vars: self._install(st)))
+
+    def _rows_hook(self, st: _PSState, key: str) -> Any:
+        """A forward pre-hook pulling the rows this batch looks up (sparse embeddings)."""
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not args or not isinstance(args[0], torch.Tensor):
+                return
+            rows = torch.unique(args[0].detach().reshape(-1).to(torch.int64).cpu())
+            if rows.numel() == 0:
+                return
+            values, version = st.table.pull_rows_versioned(key, rows)
+            weight = st.by_key[key]
+            with torch.no_grad():
+                weight.index_copy_(0, rows.to(weight.device),
+                                   values.to(weight.device, weight.dtype))
+            # The gradient pushed next was computed on rows of this version (the lowest seen
+            # since the last push, when micro-batches accumulate).
+            if key in st.rows_pulled:
+                version = min(version, st.base[key])
+            st.base[key] = version
+            st.rows_pulled.add(key)
+            self._sparse_rows_pulled += int(rows.numel())
+        return hook
+
+    # ------------------------------------------------------------------ the step
+    def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
+        st: _PSState = prepared.state["ps"]
+        ost = st.opts.get(id(opt))
+        if ost is None or not ost.keys:
+            return
+        # The versions these gradients were computed on, taken before installing the fetch
+        # in flight (async prefetch; in sync mode the forward pre-hook installed it already).
+        computed_on = {k: st.base[k] for k in ost.keys}
+        self._install(st)
+        ost.steps += 1
+        grads = self._gradients(st, ost)
+        push = ost.steps % self.push_every == 0
+        fetch = self.mode == "sync" or ost.steps % self.fetch_every == 0
+        if self.push_every == 1:
+            bases = computed_on
+        else:
+            for k, g in grads.items():
+                if k not in ost.acc:
+                    ost.acc[k] = g.clone()
+                    ost.acc_base[k] = computed_on[k]  # the oldest version in the sum
+                elif g.is_sparse:
+                    ost.acc[k] = ost.acc[k] + g
+                else:
+                    ost.acc[k].add_(g)
+            grads, bases = ost.acc, ost.acc_base
+            if push:
+                ost.acc, ost.acc_base = {}, {}
+        dense = [k for k in ost.keys if k not in st.sparse]
+        # Async: the fetch rides on the push (one round trip per shard, the values right
+        # after this push); sync fetches with the wait for the next version instead.
+        carried = dense if (fetch and self.mode == "async") else None
+        push_futs: list[tuple[str | None, PSFuture[Any]]] = []
+        if push:
+            self._sync_hyperparameters(st, ost)
+            push_futs = self._start_push(st, grads, bases, carried)
+            st.rows_pulled.clear()
+        if not push_futs and not fetch:
+            return
+        if push_futs and carried is not None:
+            fetch = False
+        # Sync: wait for the version after the one this gradient was computed on. A gradient
+        # that was dropped (a late backup worker) finds it already there.
+        targets = {k: computed_on[k] + 1 for k in ost.keys} if self.mode == "sync" else {}
+        job = (push_futs, dense if fetch else None, targets)
+        if self.prefetch:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="stratagem-ps-prefetch")
+            st.pending = self._executor.submit(self._run_job, st, *job)
+            return
+        done: concurrent.futures.Future[_Job] = concurrent.futures.Future()
+        done.set_result(self._run_job(st, *job))
+        st.pending = done
+        self._install(st)
+
+    def _gradients(self, st: _PSState, ost: _OptState) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for k, p in zip(ost.keys, ost.params, strict=True):
+            g = p.grad
+            if g is None:
+                if self.mode != "sync" or not p.requires_grad:
+                    continue
+                # Sync: every version needs a gradient from every worker for every tensor; an
+                # unused parameter contributes zeros to the mean, as under DDP.
+                g = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64),
+                                            torch.zeros(0, *p.shape[1:]), p.shape) \
+                    if k in st.sparse else torch.zeros_like(p)
+            out[k] = g.detach()
+        return out
+
+    def _sync_hyperparameters(self, st: _PSState, ost: _OptState) -> None:
+        """Send hyperparameters changed on the worker (an LR scheduler) to the shards."""
+        for gi, keys in enumerate(ost.group_keys):
+            spec = ps_optim.optimizer_spec(ost.optimizer, gi)
+            if spec == ost.sent_specs[gi] or not keys:
+                continue
+            changed = {k: v for k, v in spec.items()
+                       if k != "name" and ost.sent_specs[gi].get(k) != v}
+            st.table.set_hyperparameters(keys, **changed)
+            ost.sent_specs[gi] = spec
+
+    def _start_push(self, st: _PSState, grads: dict[str, torch.Tensor],
+                    bases: dict[str, int], fetch: list[str] | None
+                    ) -> list[tuple[str | None, PSFuture[Any]]]:
+        """Encode and send the push now (the gradients may change once we return); the
+        dense push also fetches ``fetch`` when given."""
+        dense: dict[str, torch.Tensor] = {}
+        sparse: dict[str, torch.Tensor] = {}
+        for k, g in grads.items():
+            (sparse if g.is_sparse else dense)[k] = g
+        if self.compression is not None:
+            packed = self._compress(dense)
+            if packed is None:  # fp16 overflow: never push a non-finite gradient
+                self._nonfinite_pushes += 1
+                self._skipped += 1
+                if self._feedback is not None:
+                    self._feedback.discard()
+                return []
+            dense = packed
+        futs: list[tuple[str | None, PSFuture[Any]]] = []
+        if dense or fetch:
+            futs.append((None, st.table.push_fetch_async(
+                dense, {k: bases[k] for k in dense}, fetch=fetch)))
+        for k, g in sparse.items():
+            g = g.coalesce()
+            futs.append((k, st.table.push_sparse_async(
+                k, g.indices()[0], g.values(), base_version=bases[k],
+                compress=self.compression)))
+        if self._feedback is not None:
+            self._feedback.commit()
+        self._pushes += 1
+        return futs
+
+    def _compress(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        from ..compression import compress
+
+        assert self.compression is not None
+        out: dict[str, torch.Tensor] = {}
+        for k, g in grads.items():
+            if not g.is_floating_point():
+                out[k] = g
+                continue
+            payload = (self._feedback.compress(k, g)[0] if self._feedback is not None
+                       else compress(g, self.compression)[0])
+            if not bool(torch.isfinite(payload).all()):
+                return None
+            out[k] = payload
+        return out
+
+    def _run_job(self, st: _PSState, push_futs: list[tuple[str | None, PSFuture[Any]]],
+                 fetch: list[str] | None, targets: dict[str, int]) -> _Job:
+        """Wait for the push, then fetch (async) or wait for the next version (sync). Runs
+        on the prefetch thread or inline; every wait is bounded by the client's deadline."""
+        outcomes: dict[str, PushOutcome] = {}
+        values: dict[str, torch.Tensor] = {}
+        versions: dict[str, int] = {}
+        for name, fut in push_futs:
+            got = fut.result()
+            if name is None:
+                outcomes.update(got.outcomes)
+                values.update(got.values)
+                versions.update(got.versions)
+            else:
+                outcomes[name] = got
+        if self.mode == "sync" and targets:
+            # A gradient that was dropped (a backup worker, late) does not make the version
+            # advance by itself: wait for the version the others produce.
+            values, versions = st.table.wait_for(targets, fetch=fetch or [],
+                                                 timeout=self.timeout)
+        elif fetch:
+            values, versions = st.table.fetch_async(fetch).result()
+        return _Job(outcomes, values, versions)
+
+    def _install(self, st: _PSState) -> None:
+        """Finish the push/fetch in flight and copy the fetched values into the model."""
+        fut, st.pending = st.pending, None
+        if fut is None:
+            return
+        # The job's own calls are bounded by the deadline; this bound is a backstop.
+        job = fut.result(timeout=3 * self.timeout + 10)
+        if job.outcomes:
+            # One count per push: its staleness is that of its stalest tensor.
+            self._staleness[max(int(o.staleness) for o in job.outcomes.values())] += 1
+            if any(not o.accepted for o in job.outcomes.values()):
+                self._dropped += 1
+        with torch.no_grad():
+            for k, v in job.values.items():
+                st.by_key[k].copy_(v)
+        st.base.update(job.versions)
+        self._fold_ps_bytes()
+
+    def _fold_ps_bytes(self) -> None:
+        """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
+        if self._client is None:
+            return
+        s = self._client.stats()
+        sent, received, seconds = self._ps_seen
+        self.comm.account(s["bytes_sent"] - sent, s["bytes_received"] - received,
+                          s["comm_seconds"] - seconds)
+        self._ps_seen = (s["bytes_sent"], s["bytes_received"], s["comm_seconds"])
+
+    # ------------------------------------------------------------------ global model
+    @property
+    def global_version(self) -> int:
+        """The highest version of the parameters this worker has received: in sync mode the
+        number of global steps taken (``SyncReplicasOptimizer``'s global step). Workers with
+        backup workers should stop on it rather than on a local step count. Reading it waits
+        for the fetch in flight (prefetch) and installs it."""
+        for p in self._prepared:
+            self._install(p.state["ps"])
+        return max((v for p in self._prepared for v in p.state["ps"].base.values()), default=0)
+
+    def _pull_all(self, st: _PSState) -> dict[str, torch.Tensor]:
+        self._install(st)
+        if not st.by_key:
+            return {}
+        values, versions = st.table.fetch_async().result()
+        self._fold_ps_bytes()
+        return values
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """``model`` with the current global parameters pulled into it (sparse embedding rows
+        are pulled by each forward anyway)."""
+        prepared = self._find_prepared(model)
+        if prepared is None:
+            return model
+        st: _PSState = prepared.state["ps"]
+        self._install(st)
+        dense = [k for k in st.by_key if k not in st.sparse]
+        if dense:
+            values, versions = st.table.fetch_async(dense).result()
+            with torch.no_grad():
+                for k, v in values.items():
+                    st.by_key[k].copy_(v)
+            st.base.update(versions)
+            self._fold_ps_bytes()
+        return model
+
+    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        st: _PSState = prepared.state["ps"]
+        if not self.is_chief:
+            # Only the chief's tensors are written; spare the shards a pull per worker.
+            return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+        values = self._pull_all(st)
+        by_id = {id(p): values[k] for k, p in st.by_key.items()}
+        return {k: by_id.get(id(v), v).detach()
+                for k, v in prepared.module.state_dict(keep_vars=True).items()}
+
+    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        st: _PSState = prepared.state["ps"]
+        self._install(st)
+        prepared.module.load_state_dict(state)
+        if self.is_chief and st.by_key:
+            current = st.table.get_state()
+            current["params"] = {k: p.detach() for k, p in st.by_key.items()}
+            # A gradient computed before the restore counts as one version stale.
+            current["versions"] = {k: v + 1 for k, v in current["versions"].items()}
+            st.table.set_state(current)
+        self.comm.barrier()  # nobody pulls before the chief wrote
+        self._refresh(st)
+
+    def _refresh(self, st: _PSState) -> None:
+        if not st.by_key:
+            return
+        values, versions = st.table.fetch_async().result()
+        with torch.no_grad():
+            for k, v in values.items():
+                st.by_key[k].copy_(v)
+        st.base.update(versions)
+        for ost in st.opts.values():
+            ost.acc, ost.acc_base = {}, {}
+        self._fold_ps_bytes()
+
+    def _find_opt(self, opt: torch.optim.Optimizer) -> tuple[_PSState, _OptState] | None:
+        for prepared in self._prepared:
+            st: _PSState = prepared.state["ps"]
+            for o in prepared.optimizers:
+                if o is opt or o.optimizer is opt:
+                    return st, st.opts[id(o)]
+        return None
+
+    def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """The shards' optimizer state in torch's ``state_dict`` format (indices in
+        param-group order), so any strategy can load it."""
+        found = self._find_opt(opt)
+        sd = opt.state_dict()
+        if found is None or not self.is_chief:
+            return sd  # only the chief's optimizer state is written
+        st, ost = found
+        self._install(st)
+        shard = st.table.get_state()["optimizer"]
+        self._fold_ps_bytes()
+        index = 0
+        state: dict[int, dict[str, Any]] = {}
+        keys_by_id = {id(p): k for k, p in zip(ost.keys, ost.params, strict=True)}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                k = keys_by_id.get(id(p))
+                if k is not None and shard.get(k):
+                    state[index] = dict(shard[k])
+                index += 1
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def _load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        found = self._find_opt(opt)
+        opt.load_state_dict(state)  # hyperparameters (and the state, moved to the shards)
+        if found is None:
+            return
+        st, ost = found
+        self._install(st)
+        loaded = dict(opt.state)
+        opt.state.clear()  # the worker keeps no optimizer state
+        if self.is_chief:
+            per_key = {ost.keys[i]: {k: v for k, v in loaded.get(p, {}).items()
+                                     if isinstance(v, torch.Tensor)}
+                       for i, p in enumerate(ost.params)}
+            for gi, keys in enumerate(ost.group_keys):
+                spec = ps_optim.optimizer_spec(opt.optimizer if isinstance(
+                    opt, StrategyOptimizer) else opt, gi)
+                ost.sent_specs[gi] = spec
+                for k in keys:
+                    st.table._specs[k] = dict(spec)
+            current = st.table.get_state()
+            current["optimizer"] = {**current["optimizer"], **per_key}
+            current["versions"] = {k: v + 1 for k, v in current["versions"].items()}
+            st.table.set_state(current)
+        else:
+            for gi in range(len(ost.group_keys)):
+                ost.sent_specs[gi] = ps_optim.optimizer_spec(opt.optimizer if isinstance(
+                    opt, StrategyOptimizer) else opt, gi)
+        self.comm.barrier()
+        self._refresh(st)
+
+    # ------------------------------------------------------------------ misc
+    def _extra_metrics(self) -> dict[str, Any]:
+        self._fold_ps_bytes()
+        out: dict[str, Any] = {
+            "staleness": dict(sorted(self._staleness.items())),
+            "dropped_gradients": self._dropped,
+            "pushes": self._pushes,
+            "nonfinite_pushes_skipped": self._nonfinite_pushes,
+            "sparse_rows_pulled": self._sparse_rows_pulled,
+        }
+        if self._client is not None:
+            s = self._client.stats()
+            out["ps_bytes_sent"] = s["bytes_sent"]
+            out["ps_bytes_received"] = s["bytes_received"]
+        return out
+
+    def close(self) -> None:
+        """Finish what is in flight (bounded), remove the hooks, close the channels."""
+        for prepared in self._prepared:
+            st = prepared.state.get("ps")
+            if st is None:
+                continue
+            try:
+                self._install(st)
+            except Exception:  # noqa: BLE001 - closing must not fail on a dead shard
+                pass
+            for h in st.hooks:
+                h.remove()
+            st.hooks = []
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        super().close()
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}. Fix: pass e.g. "
+                         f"{name}=1")
+    return value
+
+
+def _ps_addresses(given: str | Sequence[str] | None) -> list[str]:
+    raw: str | Sequence[str] | None = given
+    source = "ps_addresses"
+    if raw is None:
+        raw = os.environ.get("STRATAGEM_PS_ADDRS", "")
+        source = "STRATAGEM_PS_ADDRS"
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    addresses = [a.strip() for a in items if isinstance(a, str) and a.strip()]
+    if not addresses or len(addresses) != len(items) or any(
+            not a.rpartition(":")[2].isdigit() for a in addresses):
+        raise ValueError(f"ParameterServer needs parameter-server shard addresses 'host:port', "
+                         f"got {source}={raw!r}. Fix: start shards (stratagem run --num-ps K, "
+                         "sg.launch(..., num_ps=K), or stratagem ps) and set "
+                         "STRATAGEM_PS_ADDRS=host:port,... or pass ps_addresses=[...]")
+    return addresses

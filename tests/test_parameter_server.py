@@ -1,0 +1,516 @@
+"""ParameterServer (Downpour SGD / SyncReplicas): equivalences with OneDevice and Mirrored,
+staleness, backup workers, compression, sparse rows, non-finite gradients, LR schedules,
+checkpoints across strategies, prefetch. In-process shards, ranks as threads."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_states_close, make_data, make_model, train
+from safetensors.torch import load_model
+from torch import nn
+
+import stratagem as sg
+from stratagem.comm import Comm
+from stratagem.ps.client import PSClient, ShardedParameters
+from stratagem.ps.placement import FixedShardsPartitioner
+from stratagem.ps.server import start_local_shards
+from stratagem.strategies.parameter_server import ParameterServer
+from stratagem.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def shards():
+    servers, addrs = start_local_shards(2)
+    yield addrs
+    for s in servers:
+        s.stop(0)
+
+
+def _ps(addrs, comm=None, **kwargs) -> ParameterServer:
+    return ParameterServer(ps_addresses=addrs, comm=comm or Comm.single(), timeout=10, **kwargs)
+
+
+def _shard_versions(addrs) -> dict[str, int]:
+    with PSClient(addrs, timeout=10) as client:
+        out: dict[str, int] = {}
+        for h in client.health():
+            out.update(h["versions"])
+    return out
+
+
+# ---------------------------------------------------------------------- equivalences
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_sync_workers_equal_one_device_with_global_batch(shards, prefetch):
+    # The sync mean of N gradients of batch b/N is the gradient of the global batch b.
+    data = make_data()
+    ref, _ = train(sg.OneDevice(), data, global_batch_size=32, steps=12)
+    results = run_ranks(lambda comm: train(
+        _ps(shards, comm, mode="sync", prefetch=prefetch,
+            partitioner=FixedShardsPartitioner(2), small_tensor_bytes=64), data,
+        global_batch_size=32, steps=12), 2)
+    for state, metrics in results:
+        assert_states_close(state, ref, atol=1e-5, rtol=1e-5)
+        assert metrics["staleness"] == {0: 12} and metrics["dropped_gradients"] == 0
+
+
+def test_sync_equals_mirrored(shards):
+    data = make_data()
+    mirrored = run_ranks(lambda comm: train(sg.Mirrored(comm=comm), data, steps=8,
+                                            optimizer="adam", lr=0.01), 2)
+    ps = run_ranks(lambda comm: train(_ps(shards, comm, mode="sync"), data, steps=8,
+                                      optimizer="adam", lr=0.01), 2)
+    for (m, _), (p, _) in zip(mirrored, ps):
+        assert_states_close(p, m, atol=1e-5, rtol=1e-5)
+
+
+def test_sync_accumulation_equals_big_batch(shards):
+    data = make_data()
+    ref, _ = train(_ps(shards, mode="sync"), data, global_batch_size=32, steps=6,
+                   shuffle=False)
+    servers, other = start_local_shards(1)
+    try:
+        acc, m = train(_ps(other, mode="sync", accumulation_steps=4), data,
+                       global_batch_size=8, steps=6, shuffle=False)
+    finally:
+        servers[0].stop(0)
+    assert m["pushes"] == 6
+    assert_states_close(acc, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_async_one_worker_equals_one_device(shards, optimizer):
+    # The shard runs the user's optimizer: one worker without prefetch is plain training.
+    data = make_data()
+    ref, _ = train(sg.OneDevice(), data, steps=10, optimizer=optimizer, lr=0.05)
+    got, metrics = train(_ps(shards, prefetch=False), data, steps=10, optimizer=optimizer,
+                         lr=0.05)
+    assert_states_close(got, ref, atol=1e-6, rtol=1e-5)
+    assert metrics["staleness"] == {0: 10} and metrics["pushes"] == 10
+
+
+def test_async_prefetch_is_one_step_delayed_sgd(shards):
+    # With prefetch the forward of step t+1 uses the parameters fetched after push t-1:
+    # exactly SGD with a gradient delayed by one step, by hand on f(w) = w^2 / 2.
+    s = _ps(shards, prefetch=True)
+    with s.scope():
+        w = nn.Linear(1, 1, bias=False)
+        nn.init.constant_(w.weight, 1.0)
+        model, opt = s.prepare(w, torch.optim.SGD(w.parameters(), lr=0.5))
+    seen = []
+    for _ in range(4):
+        seen.append(float(model.weight))
+        s.backward(0.5 * (model.weight ** 2).sum())
+        opt.step()
+        opt.zero_grad()
+    # forward 1 and 2 both see 1.0; then 1 - 0.5 * 1 = 0.5, then 0.5 - 0.5 * 1 = 0 (the
+    # gradient of step 2 was taken at 1.0 too).
+    assert seen == [1.0, 1.0, 0.5, 0.0]
+    assert s.metrics()["staleness"] == {0: 1, 1: 2}  # the 4th push is still in flight
+    s.close()
+
+
+def test_staleness_histogram_and_drop(shards):
+    data = make_data()
+    slow = _ps(shards, max_staleness=1, fetch_every=1000, prefetch=False)
+    fast = _ps(shards, prefetch=False)
+    with slow.scope():
+        m_slow = make_model()
+        m_slow, o_slow = slow.prepare(m_slow, torch.optim.SGD(m_slow.parameters(), lr=0.1))
+    train(fast, data, steps=3)  # three versions on top of the one slow started from
+    x, y = data
+    for _ in range(2):
+        slow.backward(F.cross_entropy(m_slow(x[:8]), y[:8]))
+        o_slow.step()
+        o_slow.zero_grad()
+    m = slow.metrics()
+    # Push 1: computed on version 0, shards at 3 -> dropped. Push 2: still on 0 (no fetch),
+    # shards still at 3 -> dropped again.
+    assert m["staleness"] == {3: 2} and m["dropped_gradients"] == 2
+    assert set(_shard_versions(shards).values()) == {3}
+    slow.close()
+    fast.close()
+
+
+def test_backup_workers_make_progress_and_drop_late_gradients(shards):
+    data = make_data()
+    target = 15
+
+    def job(comm):
+        s = _ps(shards, comm, mode="sync", replicas_to_aggregate=2)
+        with s.scope():
+            model = make_model()
+            model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = s.distribute_dataset(data, 48, seed=comm.rank)
+        losses = []
+        # Stop on the global version, not a local count: a worker whose gradient is the only
+        # one for the last version would otherwise wait for peers that stopped.
+        while s.global_version < target:
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                s.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss))
+                if s.global_version >= target:
+                    break
+        m = s.metrics()
+        s.close()
+        return losses, m
+
+    results = run_ranks(job, 3)
+    pushes = sum(m["pushes"] for _, m in results)
+    dropped = sum(m["dropped_gradients"] for _, m in results)
+    # Every version took exactly two gradients; the rest arrived late and were dropped.
+    assert set(_shard_versions(shards).values()) == {target}
+    # (A push may be dropped for some tensors only: each tensor aggregates on its own.)
+    assert pushes - dropped <= 2 * target and dropped >= 1
+    assert all(sum(losses[-3:]) < sum(losses[:3]) for losses, _ in results)
+
+
+# ---------------------------------------------------------------------- arguments
+def test_unsupported_optimizer_names_the_valid_ones(shards):
+    s = _ps(shards)
+    model = make_model()
+    with pytest.raises(TypeError, match="LBFGS.*SGD, Adam, AdamW, RMSprop, Adagrad"):
+        s.prepare(model, torch.optim.LBFGS(model.parameters()))
+    s.close()
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"mode": "ring"}, "mode must be 'async' or 'sync', got 'ring'"),
+    ({"push_every": 0}, "push_every must be an int >= 1, got 0"),
+    ({"mode": "sync", "push_every": 2}, "mode='sync' pushes and fetches every step"),
+    ({"max_staleness": -1}, "max_staleness must be None or an int >= 0, got -1"),
+    ({"replicas_to_aggregate": 2}, "replicas_to_aggregate applies to mode='sync'"),
+    ({"compression": "int8"}, "compression must be None, 'fp16' or 'bf16', got 'int8'"),
+    ({"error_feedback": True}, "error_feedback=True needs a lossy compression"),
+])
+def test_invalid_arguments_name_the_value(shards, kwargs, text):
+    with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
+        _ps(shards, **kwargs)
+
+
+def test_missing_addresses_name_the_variable(monkeypatch):
+    monkeypatch.delenv("STRATAGEM_PS_ADDRS", raising=False)
+    with pytest.raises(ValueError, match="STRATAGEM_PS_ADDRS=''"):
+        ParameterServer(comm=Comm.single())
+
+
+def test_registry_names(shards, monkeypatch):
+    monkeypatch.setenv("STRATAGEM_PS_ADDRS", ",".join(shards))
+    assert sg.from_name("ps-sync", comm=Comm.single()).mode == "sync"
+    assert sg.from_name("ps-async", comm=Comm.single()).mode == "async"
+
+
+# ---------------------------------------------------------------------- bytes
+def _push_bytes(addrs, **kwargs) -> int:
+    s = _ps(addrs, prefetch=False, **kwargs)
+    with s.scope():
+        model = nn.Linear(256, 256)
+        model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    before = s.metrics()["bytes_sent"]
+    for _ in range(3):
+        s.backward(model(torch.randn(4, 256)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    sent = s.metrics()["bytes_sent"] - before
+    s.close()
+    return sent
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_compression_halves_push_bytes(kind):
+    servers, addrs = start_local_shards(1)
+    try:
+        plain = _push_bytes(addrs)
+        for error_feedback in (False, True):
+            packed = _push_bytes(addrs, compression=kind, error_feedback=error_feedback)
+            assert 0.45 < packed / plain < 0.52, (packed, plain)
+    finally:
+        servers[0].stop(0)
+
+
+class Bag(nn.Module):
+    def __init__(self, sparse: bool, rows: int = 5000) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(rows, 16, sparse=sparse)
+        self.head = nn.Linear(16, 3)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(rows, 16, generator=gen))
+            self.head.weight.copy_(torch.randn(3, 16, generator=gen) * 0.3)
+            self.head.bias.zero_()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx).mean(dim=1))
+
+
+def _bag_run(strategy, sparse: bool, steps: int = 6):
+    gen = torch.Generator().manual_seed(5)
+    with strategy.scope():
+        model = Bag(sparse)
+        model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    before = strategy.metrics()
+    for _ in range(steps):
+        idx = torch.randint(0, 5000, (8, 4), generator=gen)
+        y = torch.randint(0, 3, (8,), generator=gen)
+        strategy.backward(F.cross_entropy(model(idx), y))
+        opt.step()
+        opt.zero_grad()
+    after = strategy.metrics()
+    moved = (after["bytes_sent"] - before["bytes_sent"]
+             + after["bytes_received"] - before["bytes_received"])
+    # The global model (local embedding rows are refreshed only when looked up).
+    state = {k: v.detach().clone() for k, v in
+             strategy._checkpoint_model(strategy._find_prepared(model)).items()}
+    strategy.close()
+    return state, moved
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sparse_embedding_moves_touched_rows_only(mode):
+    ref, _ = _bag_run(sg.OneDevice(), sparse=True)
+    servers, addrs = start_local_shards(2)
+    try:
+        kw = {"prefetch": False} if mode == "async" else {}
+        sparse_state, sparse_bytes = _bag_run(_ps(addrs, mode=mode, **kw), sparse=True)
+    finally:
+        for s in servers:
+            s.stop(0)
+    servers, addrs = start_local_shards(2)
+    try:
+        _, dense_bytes = _bag_run(_ps(addrs, mode=mode, **kw), sparse=False)
+    finally:
+        for s in servers:
+            s.stop(0)
+    assert_states_close(sparse_state, ref, atol=1e-6, rtol=1e-5)
+    # 5000 x 16 fp32 = 320 kB per push and per pull dense; at most 32 rows each way sparse.
+    assert sparse_bytes < dense_bytes / 50, (sparse_bytes, dense_bytes)
+
+
+# ---------------------------------------------------------------------- non-finite
+def _inf_at(step_to_break: int):
+    def loss_fn(model, x, y, step):
+        loss = F.cross_entropy(model(x), y)
+        return loss * float("inf") if step == step_to_break else loss
+    return loss_fn
+
+
+def test_async_inf_gradient_is_never_pushed(shards):
+    data = make_data()
+    s = _ps(shards, prefetch=False, on_nonfinite="skip")
+    with s.scope():
+        model = make_model()
+        model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data
+    for step in range(4):
+        loss = F.cross_entropy(model(x[:16]), y[:16])
+        s.backward(loss * float("inf") if step == 1 else loss)
+        opt.step()
+        opt.zero_grad()
+    m = s.metrics()
+    assert m["skipped_steps"] == 1 and m["pushes"] == 3
+    assert set(_shard_versions(shards).values()) == {3}
+    s.close()
+
+
+def test_sync_inf_gradient_on_one_worker_is_skipped_by_all(shards):
+    data = make_data()
+
+    def job(comm):
+        s = _ps(shards, comm, mode="sync", on_nonfinite="skip")
+        with s.scope():
+            model = make_model()
+            model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = data
+        for step in range(4):
+            loss = F.cross_entropy(model(x[comm.rank::2][:16]), y[comm.rank::2][:16])
+            s.backward(loss * float("inf") if (step == 2 and comm.rank == 1) else loss)
+            opt.step()
+            opt.zero_grad()
+        m = s.metrics()
+        s.close()
+        return m
+
+    for m in run_ranks(job, 2):
+        assert m["skipped_steps"] == 1 and m["pushes"] == 3
+    assert set(_shard_versions(shards).values()) == {3}
+
+
+def test_fp16_overflow_in_compression_is_not_pushed(shards):
+    s = _ps(shards, prefetch=False, compression="fp16")
+    with s.scope():
+        model = nn.Linear(2, 1)
+        model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-9))
+    s.backward(model(torch.full((1, 2), 1e6)).sum() * 1e3)  # finite in fp32, inf in fp16
+    opt.step()
+    assert s.metrics()["nonfinite_pushes_skipped"] == 1
+    assert set(_shard_versions(shards).values()) == {0}
+    s.close()
+
+
+# ---------------------------------------------------------------------- LR schedules
+def test_lr_scheduler_reaches_the_shards(shards):
+    data = make_data()
+
+    def run(strategy):
+        with strategy.scope():
+            model = make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+            model, opt = strategy.prepare(model, opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+        x, y = data
+        for step in range(6):
+            strategy.backward(F.cross_entropy(model(x[step * 16:(step + 1) * 16]),
+                                              y[step * 16:(step + 1) * 16]))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()}
+
+    ref = run(sg.OneDevice())
+    s = _ps(shards, prefetch=False)
+    calls = []
+    got = None
+    try:
+        real = ShardedParameters.set_hyperparameters
+
+        def spy(self, names=None, **hyper):
+            calls.append(hyper)
+            return real(self, names, **hyper)
+
+        ShardedParameters.set_hyperparameters = spy  # type: ignore[method-assign]
+        got = run(s)
+    finally:
+        ShardedParameters.set_hyperparameters = real  # type: ignore[method-assign]
+        s.close()
+    assert_states_close(got, ref, atol=1e-6, rtol=1e-5)
+    assert len(calls) == 2 and set(calls[0]) == {"lr"}  # only when it changed
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _steps(strategy, model, opt, data, n, offset=0):
+    x, y = data
+    for i in range(offset, offset + n):
+        strategy.backward(F.cross_entropy(model(x[i * 16:(i + 1) * 16]),
+                                          y[i * 16:(i + 1) * 16]))
+        opt.step()
+        opt.zero_grad()
+
+
+def _prepared(strategy, seed=0):
+    with strategy.scope():
+        model = make_model(seed)
+        return strategy.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
+
+
+def test_save_restore_round_trip_across_shard_counts(shards, tmp_path):
+    data = make_data()
+    ref_s = sg.OneDevice()
+    ref_m, ref_o = _prepared(ref_s)
+    _steps(ref_s, ref_m, ref_o, data, 8)
+
+    a = _ps(shards, prefetch=False)
+    m, o = _prepared(a)
+    _steps(a, m, o, data, 4)
+    a.save(tmp_path / "ckpt", model=m, optimizer=o, step=4)
+    a.close()
+    assert not o.state  # the worker holds no optimizer state
+    # The model file is a plain state dict under the module's names.
+    plain = make_model(seed=9)  # the model file loads into a plain module
+    load_model(plain, str(tmp_path / "ckpt" / "model.safetensors"))
+
+    servers, three = start_local_shards(3)  # another shard count
+    try:
+        b = _ps(three, prefetch=False)
+        m2, o2 = _prepared(b, seed=5)
+        assert b.restore(tmp_path / "ckpt", model=m2, optimizer=o2)["step"] == 4
+        _steps(b, m2, o2, data, 4, offset=4)
+        assert_states_close(b.unwrap(m2).state_dict(), ref_s.unwrap(ref_m).state_dict(),
+                            atol=1e-6, rtol=1e-5)
+        b.close()
+    finally:
+        for s in servers:
+            s.stop(0)
+    assert_states_close(plain.state_dict(), _after(data, 4), atol=1e-6, rtol=1e-5)
+
+
+def _after(data, n):
+    s = sg.OneDevice()
+    m, o = _prepared(s)
+    _steps(s, m, o, data, n)
+    return s.unwrap(m).state_dict()
+
+
+def test_mirrored_checkpoint_restores_into_ps_and_back(shards, tmp_path):
+    data = make_data()
+    ref_s = sg.OneDevice()
+    ref_m, ref_o = _prepared(ref_s)
+    _steps(ref_s, ref_m, ref_o, data, 9)
+
+    def mirrored_part(comm):
+        s = sg.Mirrored(comm=comm)
+        m, o = _prepared(s)
+        _steps(s, m, o, data, 3)  # same batch on every rank: the global trajectory
+        s.save(tmp_path / "mirrored", model=m, optimizer=o)
+
+    run_ranks(mirrored_part, 2)
+    ps = _ps(shards, prefetch=False)
+    m, o = _prepared(ps, seed=3)
+    ps.restore(tmp_path / "mirrored", model=m, optimizer=o)
+    _steps(ps, m, o, data, 3, offset=3)
+    ps.save(tmp_path / "ps", model=m, optimizer=o)
+    ps.close()
+
+    def mirrored_again(comm):
+        s = sg.Mirrored(comm=comm)
+        m, o = _prepared(s, seed=4)
+        s.restore(tmp_path / "ps", model=m, optimizer=o)
+        _steps(s, m, o, data, 3, offset=6)
+        return {k: v.detach().clone() for k, v in s.unwrap(m).state_dict().items()}
+
+    for state in run_ranks(mirrored_again, 2):
+        assert_states_close(state, ref_s.unwrap(ref_m).state_dict(), atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- restart
+def test_restarted_worker_starts_from_the_shards(shards):
+    data = make_data()
+    first = _ps(shards, prefetch=False)
+    train(first, data, steps=5)
+    with PSClient(shards, timeout=10) as client:
+        current = ShardedParameters(client, dict(make_model().named_parameters()),
+                                    mode="elastic").pull()
+    late = _ps(shards)
+    m2, o2 = _prepared(late, seed=8)  # another initialisation: the shards' values win
+    got = dict(late.unwrap(m2).named_parameters())
+    for k, v in current.items():
+        torch.testing.assert_close(got[k].detach(), v, atol=0, rtol=0)
+    assert late.global_version == 5
+    for s in (first, late):
+        s.close()
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_sync_missing_peer_is_a_peer_timeout(shards, prefetch):
+    # Two sync workers expected, one never pushes: the version is not reached in time.
+    s = ParameterServer(ps_addresses=shards, comm=Comm.single(), timeout=1.5, mode="sync",
+                        replicas_to_aggregate=2, prefetch=prefetch)
+    with s.scope():
+        model = make_model()
+        model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = make_data()
+    t0 = time.monotonic()
+    with pytest.raises(sg.PeerTimeoutError, match="replicas_to_aggregate=2"):
+        for _ in range(2):  # with prefetch the wait ends in the next forward
+            s.backward(F.cross_entropy(model(x[:8]), y[:8]))
+            opt.step()
+            opt.zero_grad()
+    assert time.monotonic() - t0 < 1.5 + 2.0
+    s.close()
