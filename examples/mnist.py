@@ -28,7 +28,8 @@ def main() -> None:
     parser.add_argument("--num-ps", type=int, default=None,
                         help="parameter-server processes (default: 1 for ps-* and easgd-async, else 0)")
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--global-batch-size", type=int, default=128)
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="default: 128 rounded down to a multiple of --workers")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--seed", type=int, default=0)
@@ -38,8 +39,9 @@ def main() -> None:
     num_ps = args.num_ps if args.num_ps is not None else (
         1 if args.strategy.startswith("ps") or args.strategy == "easgd-async" else 0)
     strategy_args = {"precision": args.precision, **parse_strategy_args(args.strategy_arg)}
+    gbs = args.global_batch_size or 128 - 128 % args.workers
     cfg = {"strategy": args.strategy, "strategy_args": strategy_args, "epochs": args.epochs,
-           "global_batch_size": args.global_batch_size, "lr": args.lr, "seed": args.seed}
+           "global_batch_size": gbs, "lr": args.lr, "seed": args.seed}
     t0 = time.perf_counter()
     results = run_job(cfg, args.workers, num_ps)
     chief = results[0]
