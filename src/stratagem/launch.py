@@ -308,6 +308,20 @@ class _Supervisor:
         self.readers[reader] = len(self.procs)
         self.procs.append(proc)
 
+    def restart(self, rank: int, proc: BaseProcess, reader: Connection) -> None:
+        """Issue 6: replace the failed worker ``rank`` by a new process (restart="failed")."""
+        old = self.procs[rank]
+        if old.exitcode is None and old.pid is not None:
+            _kill_tree(old.pid, signal.SIGKILL)
+            old.join(timeout=TERMINATE_GRACE)
+        for conn in [c for c, r in self.readers.items() if r == rank]:
+            conn.close()
+            del self.readers[conn]
+        self.procs[rank] = proc
+        self.readers[reader] = rank
+        self.errors.pop(rank, None)
+        self.exited.discard(rank)
+
     def _read(self, conn: Connection) -> None:
         rank = self.readers.pop(conn)
         try:
@@ -397,7 +411,8 @@ class _Supervisor:
 
 
 def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any, ...] = (),
-           *, timeout: float | None = None, env: Mapping[str, str] | None = None) -> list[Any]:
+           *, timeout: float | None = None, env: Mapping[str, str] | None = None,
+           max_restarts: int = 0, restart: str = "all") -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` worker processes; return their results in rank order.
 
     Workers are started with the ``spawn`` method, so ``fn`` must be importable (defined at
@@ -410,6 +425,14 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     every other worker has been stopped (SIGTERM, SIGKILL after a few seconds). If the job
     runs longer than ``timeout`` seconds everything is stopped and ``WorkerError`` is raised.
     A ``KeyboardInterrupt`` in the caller also stops every worker before propagating.
+
+    Restarts (issue 6; off by default): with ``max_restarts=N`` a failure is retried instead
+    of raised. ``restart="all"`` (like torchrun) stops every worker and starts the whole group
+    again, at most N times in total; ``restart="failed"`` starts again only the worker that
+    failed, at most N times per rank, while the others keep running — for asynchronous
+    strategies whose workers share no process group (``comm=sg.Comm.single()``, the state on
+    parameter-server shards). Each attempt sees its number in ``TORCHELASTIC_RESTART_COUNT``
+    (per rank with ``"failed"``). When the budget is spent the failure is raised as above.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}; pass e.g. nprocs=2")
@@ -417,6 +440,12 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         raise ValueError(f"num_ps must be an int >= 0, got {num_ps!r}; pass 0 for no shards")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}; pass 0 to "
+                         "never restart")
+    if restart not in ("all", "failed"):
+        raise ValueError(f"restart must be 'all' or 'failed', got {restart!r}; 'failed' restarts "
+                         "only the dead worker (async strategies without a process group)")
     _check_picklable_target(fn)
     from torch.distributed import TCPStore  # torch is heavy: import only when launching
 
@@ -431,18 +460,26 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         if num_ps:
             shards = start_ps_shards(num_ps)
         base = {**os.environ, **(env or {})}
-        sup = _Supervisor()
-        for rank in range(nprocs):
-            wenv = worker_env(rank=rank, world_size=nprocs, master_port=store.port,
+        port = store.port
+
+        def start(rank: int, attempt: int) -> tuple[BaseProcess, Connection]:
+            wenv = worker_env(rank=rank, world_size=nprocs, master_port=port,
                               ps_addrs=shards.addresses if shards else (), base=base)
             wenv.update(env or {})
+            wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker_main, args=(fn, tuple(args), w, os.getpid()),
                             name=f"stratagem-worker-{rank}", daemon=False)
             with _patched_environ(wenv):
                 p.start()
             w.close()  # keep only the child's end open, so its death reads as EOF here
-            sup.add(p, r)
+            return p, r
+
+        sup = _Supervisor()
+        for rank in range(nprocs):
+            sup.add(*start(rank, 0))
+        # Issue 6: restart budget (total for "all", per rank for "failed").
+        attempts = [0] * nprocs
         all_reported: float | None = None
         while not sup.done:
             left = 3600.0 if deadline is None else deadline - time.monotonic()
@@ -463,8 +500,23 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                     "all workers were stopped. Find the hang (often a collective waiting for "
                     "a peer that never calls it) or pass a larger timeout=")
             failure = sup.poll(min(left, 3600.0))
-            if failure is not None:
-                raise failure
+            if failure is None:
+                continue
+            # Issue 6: restarts. Every rank that exited without a result has failed.
+            dead = sorted(r for r in sup.exited if r not in sup.results)
+            if restart == "failed" and all(attempts[r] < max_restarts for r in dead):
+                for r in dead:
+                    attempts[r] += 1
+                    sup.restart(r, *start(r, attempts[r]))
+                continue
+            if restart == "all" and attempts[0] < max_restarts:
+                attempts[0] += 1
+                sup.stop_all()
+                sup = _Supervisor()
+                for rank in range(nprocs):
+                    sup.add(*start(rank, attempts[0]))
+                continue
+            raise failure
         return [sup.results[r] for r in range(nprocs)]
     finally:
         if sup is not None:

@@ -172,6 +172,8 @@ class Strategy:
         self._boundary_done = False
         self._steps = 0
         self._skipped = 0
+        # Issue 6 (preemption): set by on_preemption, checked at the end of every step.
+        self._preemption: Any = None
 
     def _comm_from_env(self) -> Comm:
         return Comm.from_env(timeout=self.timeout, device=self.device)
@@ -369,12 +371,16 @@ class Strategy:
                 raise FloatingPointError(self._describe_nonfinite(opt))
             self.precision.update(True)
             self._skipped += 1
-            return
-        self._apply_update(prepared, opt)
-        self.precision.update(False)
-        prepared.local_steps += 1
-        self._steps += 1
-        self._after_update(prepared, opt)
+        else:
+            self._apply_update(prepared, opt)
+            self.precision.update(False)
+            prepared.local_steps += 1
+            self._steps += 1
+            self._after_update(prepared, opt)
+        # Issue 6: the step boundary is where a preemption checkpoint is consistent (a
+        # skipped step is a boundary too: every replica agreed to skip it).
+        if self._preemption is not None:
+            self._preemption._at_step_boundary(opt)
 
     def _describe_nonfinite(self, opt: StrategyOptimizer) -> str:
         names = opt._prepared.param_names
@@ -497,6 +503,19 @@ class Strategy:
         from .checkpoint import restore
 
         return restore(self, path, **state)
+
+    def on_preemption(self, path: str | os.PathLike[str], **state: Any) -> Any:
+        """Issue 6: on SIGTERM, save ``state`` to ``path`` at the next step boundary (agreed
+        across replicas) and exit with ``stratagem.preemption.PREEMPTED_EXIT_CODE``; returns
+        the :class:`~stratagem.preemption.PreemptionCheckpoint` (see that module)."""
+        from .preemption import PreemptionCheckpoint
+
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        handler = PreemptionCheckpoint(self, path, **state)
+        handler.install()
+        self._preemption = handler
+        return handler
 
     def _find_prepared(self, model: nn.Module) -> Prepared | None:
         for p in self._prepared:

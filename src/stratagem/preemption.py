@@ -1,0 +1,137 @@
+"""Preemption: on SIGTERM, checkpoint at the next step boundary and exit with a known code.
+
+Clusters announce a preemption (a spot instance reclaimed, a job rescheduled) with SIGTERM
+and a grace period before SIGKILL. ``strategy.on_preemption(path, model=..., optimizer=...,
+loader=...)`` installs a handler that only records the signal; the strategy checks the
+record at the end of every optimizer step (the step boundary, where model, optimizer, loader
+position and RNG are consistent), saves a checkpoint there with ``strategy.save`` and exits
+with :data:`PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM, what a shell reports for a process
+killed by SIGTERM, so schedulers treat it the same way).
+
+Agreement: when the job has more than one replica the flag is all-reduced (max) at every
+boundary, so every replica saves at the same step even if the signal reached them at
+different instants (one 4-byte all-reduce per step, only while preemption handling is on).
+``save`` is itself a collective, so this holds for every strategy sharing a process group;
+workers run as single-process jobs (``comm=sg.Comm.single()``, async strategies) decide alone.
+
+A second SIGTERM while the first is being handled restores the default action and kills the
+process at once. Handlers can only be installed from the main thread; elsewhere (ranks run as
+threads in tests) call :meth:`PreemptionCheckpoint.trigger` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .strategy import Strategy
+
+__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionCheckpoint"]
+
+#: Exit code of a worker that saved a checkpoint because it was preempted (128 + SIGTERM).
+PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)
+
+
+class PreemptionCheckpoint:
+    """Save ``state`` to ``path`` at the first step boundary after a preemption signal.
+
+    Built by :meth:`Strategy.on_preemption`. ``state`` is what ``strategy.save`` takes
+    (``model=``, ``optimizer=``, ``loader=``, extras); an extra that is a zero-argument
+    callable is called at save time (e.g. ``step=lambda: step``). With ``exit=True`` (the
+    default) the process then raises ``SystemExit(exit_code)``; with ``exit=False`` the step
+    returns normally and :attr:`saved` becomes True, for loops that want to stop themselves.
+
+    On failure: if the save fails, ``CheckpointError`` propagates from ``optimizer.step()``
+    on every replica and the previous checkpoint at ``path`` stays intact.
+    """
+
+    def __init__(self, strategy: Strategy, path: str | os.PathLike[str], *,
+                 signals: Iterable[int] = (signal.SIGTERM,), exit: bool = True,
+                 exit_code: int = PREEMPTED_EXIT_CODE, keep_last: int = 2,
+                 **state: Any) -> None:
+        if not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code must be an int in [0, 255], got {exit_code!r}")
+        self.strategy = strategy
+        self.path = path
+        self.signals = tuple(signals)
+        self.exit = exit
+        self.exit_code = exit_code
+        self.keep_last = keep_last
+        self.state = state
+        self.saved = False
+        self._requested = threading.Event()
+        self._previous: dict[int, Any] = {}
+        trigger = state.get("optimizer")
+        self._trigger_opt: Any = trigger if isinstance(trigger, torch.optim.Optimizer) else None
+
+    # ------------------------------------------------------------------ signals
+    def install(self) -> bool:
+        """Install the signal handlers; False (nothing installed) outside the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back."""
+        for sig, handler in self._previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._requested.is_set():
+            # Second signal: the user (or the scheduler) insists; die the default way now.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._requested.set()
+
+    def trigger(self) -> None:
+        """Request a preemption checkpoint as if the signal had arrived."""
+        self._requested.set()
+
+    @property
+    def requested(self) -> bool:
+        """Whether this replica received the signal (not yet agreed with the others)."""
+        return self._requested.is_set()
+
+    # ------------------------------------------------------------------ the boundary
+    def _at_step_boundary(self, opt: Any) -> None:
+        """Called by the strategy at the end of every optimizer step."""
+        if self.saved:
+            return
+        if self._trigger_opt is not None and opt is not self._trigger_opt \
+                and getattr(opt, "optimizer", None) is not self._trigger_opt:
+            return  # several optimizers (GAN): the boundary is after the one given to us
+        flag = self._requested.is_set()
+        comm = self.strategy.comm
+        if comm.world_size > 1:
+            t = torch.tensor([1.0 if flag else 0.0])
+            flag = bool(comm.all_reduce(t, "max").item() > 0)
+        if not flag:
+            return
+        state = {k: (v() if _is_thunk(v) else v) for k, v in self.state.items()}
+        from .checkpoint import save
+
+        save(self.strategy, self.path, keep_last=self.keep_last, **state)
+        self.saved = True
+        if self.exit:
+            self.uninstall()
+            raise SystemExit(self.exit_code)
+
+
+def _is_thunk(value: Any) -> bool:
+    return callable(value) and not isinstance(value, (torch.nn.Module, torch.optim.Optimizer,
+                                                      torch.Tensor)) \
+        and not hasattr(value, "state_dict")
+
