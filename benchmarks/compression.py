@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rows", type=int, default=100_000)
     args = parser.parse_args(argv)
-    from stratagem.launch import launch
+    from stratagem.launcher import launch
 
     jobs = [{"strategy_args": strategy_args, "seed": seed, "epochs": args.epochs}
             for _, strategy_args in RUNS for seed in args.seeds]

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--bucket-cap-mb", type=float, default=25)
     args = parser.parse_args(argv)
-    from stratagem.launch import launch
+    from stratagem.launcher import launch
 
     rows = []
     for procs in args.procs:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stratagem.comm import Comm
-from stratagem.launch import start_ps_shards
+from stratagem.launcher import start_ps_shards
 from stratagem.strategies.parameter_server import ParameterServer
 
 RESULTS = Path(__file__).resolve().parent / "results"

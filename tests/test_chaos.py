@@ -17,9 +17,7 @@ from helpers import make_model
 
 import stratagem as sg
 
-# Not sg.launch: once stratagem.launch (the module) is imported, the package attribute is
-# the module and shadows the lazily exported function.
-from stratagem.launch import launch
+from stratagem.launcher import launch
 
 STEPS = 60
 

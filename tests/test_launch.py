@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import stratagem.launch as launch_mod
+import stratagem.launcher as launch_mod
 from stratagem.errors import ParameterServerUnavailable, WorkerError
-from stratagem.launch import launch, start_ps_shards
+from stratagem.launcher import launch, start_ps_shards
 
 CONTRACT = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "EXTRA"]

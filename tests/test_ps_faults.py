@@ -21,7 +21,7 @@ from helpers import make_data, make_model
 
 from stratagem.comm import Comm
 from stratagem.errors import ParameterServerUnavailable
-from stratagem.launch import child_pythonpath, start_ps_shards
+from stratagem.launcher import child_pythonpath, start_ps_shards
 from stratagem.ps.client import PSClient
 from stratagem.strategies.parameter_server import ParameterServer
 

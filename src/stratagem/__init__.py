@@ -23,6 +23,7 @@ from .errors import (
 from .registry import from_env, from_name, strategy_names
 from .strategies.mirrored import Mirrored
 from .strategies.one_device import OneDevice
+from .preemption import PREEMPTED_EXIT_CODE
 from .strategy import ReduceOp, Strategy
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "from_env",
     "strategy_names",
     "launch",
+    "PREEMPTED_EXIT_CODE",
     "StratagemError",
     "ReplicaMismatchError",
     "WorkerError",
@@ -66,7 +68,7 @@ _LAZY = {
     "FixedShardsPartitioner": ("stratagem.ps.placement", "FixedShardsPartitioner"),
     "MinSizePartitioner": ("stratagem.ps.placement", "MinSizePartitioner"),
     "MaxSizePartitioner": ("stratagem.ps.placement", "MaxSizePartitioner"),
-    "launch": ("stratagem.launch", "launch"),
+    "launch": ("stratagem.launcher", "launch"),
 }
 
 

@@ -240,7 +240,7 @@ def _reap_orphans(keep: set[int], grace: float = 5.0) -> None:
 @subcommand("run", "run a training script on N workers (on top of torchrun)",
             configure=_configure_run)
 def _run(args: argparse.Namespace) -> int:
-    from stratagem.launch import child_pythonpath, start_ps_shards
+    from stratagem.launcher import child_pythonpath, start_ps_shards
 
     try:
         strategy_args = parse_strategy_args(args.strategy_arg)

@@ -107,7 +107,7 @@ def run_job(cfg: dict[str, Any], workers: int, num_ps: int = 0) -> list[dict[str
     """Run ``train_worker`` on ``workers`` processes (in-process when ``workers == 1``)."""
     if workers == 1 and num_ps == 0:
         return [train_worker(cfg)]
-    from .launch import launch
+    from .launcher import launch
 
     return launch(train_worker, nprocs=workers, num_ps=num_ps, args=(cfg,))  # type: ignore[no-any-return]
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers == 1 and num_ps == 0:
         per_worker = [demo_worker(cfgs)]
     else:
-        from .launch import launch
+        from .launcher import launch
 
         per_worker = launch(demo_worker, nprocs=args.workers, num_ps=num_ps, args=(cfgs,))
     rows = per_worker[0]
