@@ -192,7 +192,8 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-endpoint", default=None)
     p.add_argument("--rdzv-id", default=None)
     p.add_argument("--strategy", default=None,
-                   help="strategy class name exported for sg.from_env(), e.g. LocalSGD")
+                   help="strategy for sg.from_env() in the script: mirrored, easgd, easgd-async, "
+                        "eamsgd, local_sgd, diloco, ps-async, ps-sync, one_device")
     p.add_argument("--strategy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="strategy keyword argument (repeatable)")
     p.add_argument("-m", "--module", action="store_true",
@@ -249,9 +250,17 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if strategy_args and not args.strategy:
         print("stratagem run: error: --strategy-arg needs --strategy NAME "
-              f"(got {args.strategy_arg}); e.g. --strategy LocalSGD --strategy-arg period=4",
+              f"(got {args.strategy_arg}); e.g. --strategy local_sgd --strategy-arg period=4",
               file=sys.stderr)
         return 2
+    if args.strategy:
+        from stratagem.registry import canonical_name
+
+        try:
+            canonical_name(args.strategy)  # fail here, not in every worker after start-up
+        except ValueError as e:
+            print(f"stratagem run: error: --strategy: {e}", file=sys.stderr)
+            return 2
     if args.num_ps and not _single_node(args):
         print(f"stratagem run: error: --num-ps {args.num_ps} starts shards on this machine only "
               "and works for single-node jobs; for several nodes start shards with "

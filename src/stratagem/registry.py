@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .strategy import Strategy
 
-__all__ = ["from_name", "from_env", "strategy_names"]
+__all__ = ["from_name", "from_env", "strategy_names", "canonical_name"]
 
 # name -> (module, class, preset keyword arguments)
 _NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -35,12 +35,22 @@ def strategy_names() -> list[str]:
     return sorted(_NAMES)
 
 
-def from_name(name: str, **kwargs: Any) -> Strategy:
-    """Build a strategy from its short name; ``kwargs`` override the preset arguments."""
-    key = _ALIASES.get(name.lower(), name.lower())
+def canonical_name(name: str) -> str:
+    """The registry key for ``name`` (aliases and class names accepted); ``ValueError``
+    listing the valid names otherwise."""
+    lowered = name.lower()
+    for key, (_, cls, preset) in _NAMES.items():
+        if lowered == cls.lower() and not preset:
+            return key
+    key = _ALIASES.get(lowered, lowered)
     if key not in _NAMES:
         raise ValueError(f"unknown strategy {name!r}; valid names: {', '.join(strategy_names())}")
-    module, cls, preset = _NAMES[key]
+    return key
+
+
+def from_name(name: str, **kwargs: Any) -> Strategy:
+    """Build a strategy from its short name; ``kwargs`` override the preset arguments."""
+    module, cls, preset = _NAMES[canonical_name(name)]
     strategy_cls = getattr(importlib.import_module(module), cls)
     return strategy_cls(**{**preset, **kwargs})  # type: ignore[no-any-return]
 
