@@ -547,6 +547,10 @@ class ParameterServer(Strategy):
 
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         st: _PSState = prepared.state["ps"]
+        # Save is a collective: every worker's last (asynchronous) push must have landed on
+        # the shards before the chief reads the global model, or the checkpoint misses it.
+        self._install(st)
+        self.comm.barrier()
         if not self.is_chief:
             # Only the chief's tensors are written; spare the shards a pull per worker.
             return {k: v.detach() for k, v in prepared.module.state_dict().items()}
