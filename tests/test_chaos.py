@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from helpers import make_model
 
 import stratagem as sg
-
 from stratagem.launcher import launch
 
 STEPS = 60

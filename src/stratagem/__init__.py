@@ -20,10 +20,10 @@ from .errors import (
     StratagemError,
     WorkerError,
 )
+from .preemption import PREEMPTED_EXIT_CODE
 from .registry import from_env, from_name, strategy_names
 from .strategies.mirrored import Mirrored
 from .strategies.one_device import OneDevice
-from .preemption import PREEMPTED_EXIT_CODE
 from .strategy import ReduceOp, Strategy
 
 __version__ = "0.1.0"
