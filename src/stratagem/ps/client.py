@@ -122,6 +122,12 @@ class PSClient:
             token = os.environ.get("STRATAGEM_PS_TOKEN") or None
         self._metadata = ((wire.TOKEN_METADATA_KEY, token),) if token else None
         options = wire.channel_options(max_message_bytes)
+        # Strategies build their client from the environment, like the token: a job whose
+        # shards serve TLS exports the root certificate (and server name) to every worker.
+        if tls_root_cert is None:
+            tls_root_cert = os.environ.get("STRATAGEM_PS_TLS_ROOT_CERT") or None
+        if tls_server_name is None:
+            tls_server_name = os.environ.get("STRATAGEM_PS_TLS_SERVER_NAME") or None
         if tls_root_cert is not None:
             root = tls_root_cert if isinstance(tls_root_cert, bytes) else open(
                 tls_root_cert, "rb").read()
