@@ -8,12 +8,18 @@ no framing, no optimizer) and as a local ``copy_`` of the same bytes. Shards (ou
 ones) run as separate processes so they do not share the workers' GIL.
 
     PYTHONPATH=src python benchmarks/ps_throughput.py [--mb 8] [--seconds 2]
-        [--before-src DIR]
+        [--before-src DIR [--before-two-calls]]
 
 Ours is one Downpour step as ``ParameterServer`` runs it: ``push_fetch_async`` (push and
 fetch in one round trip per shard). With ``--before-src DIR`` (another checkout's ``src``, e.g.
 ``git archive HEAD src | tar -x -C /tmp/before``) the same cells also time that version's
-shards driven by ``push()`` then ``pull()`` (its data path), alternating with the others.
+shard processes, alternating with the others, driven by this checkout's client with the same
+``push_fetch_async`` step (so "before" isolates shard-side changes); ``--before-two-calls``
+drives them with ``push()`` then ``pull()`` instead (the data path before ``push_fetch``).
+
+The raw baseline has the same shape as ours: one raw server process per shard holding that
+shard's bytes, each worker its own channels, and every step's calls to the shards issued
+concurrently (futures), so for 2 shards both sides split the bytes over 2 processes alike.
 
 Writes benchmarks/results/ps_throughput.{json,md}; prints the table. Target: ours / raw >= 0.7.
 """
@@ -205,6 +211,8 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--before-src", default=None,
                     help="another checkout's src directory to time as 'before'")
+    ap.add_argument("--before-two-calls", action="store_true",
+                    help="drive the 'before' shards with push() then pull() (two round trips)")
     ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port-file", help=argparse.SUPPRESS)
     ap.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -239,7 +247,8 @@ def main() -> None:
                         before_addrs.append(a)
                 ours_steps = ours_step_factory(ours_addrs, params)
                 raw_steps = raw_step_factory(raw_addrs, shard_bytes, max_bytes)
-                before_steps = (ours_step_factory(before_addrs, params, two_calls=True)
+                before_steps = (ours_step_factory(before_addrs, params,
+                                                  two_calls=args.before_two_calls)
                                 if args.before_src else None)
                 # Alternate short rounds so a change in machine load hits all sides alike.
                 ours_r, raw_r, before_r = [], [], []
@@ -263,9 +272,12 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     meta = {"param_MB": round(total_mb, 2), "num_tensors": len(params),
-            "seconds_per_cell": args.seconds, "rounds": args.rounds, "python": platform.python_version(),
-            "torch": torch.__version__, "malloc_tuned": tuned, "grpc": grpc.__version__, "cpus": os.cpu_count(),
+            "seconds_per_cell": args.seconds, "rounds": args.rounds,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "malloc_tuned": tuned, "grpc": grpc.__version__, "cpus": os.cpu_count(),
             "command": " ".join(["python", "benchmarks/ps_throughput.py", *sys.argv[1:]])}
+    if args.before_src:
+        meta["before_step"] = "push+pull" if args.before_two_calls else "push_fetch_async"
     lines = [f"# Parameter-server throughput ({total_mb:.1f} MB of parameters, push+pull per "
              "step)", ""]
     if args.before_src:
@@ -281,6 +293,9 @@ def main() -> None:
                   f"| {r['ratio']:.2f} | {r['local_copy_MBps']} |" for r in rows]
     lines += ["", f"`{meta['command']}` — {meta['cpus']} CPUs, torch {meta['torch']}, grpcio "
               f"{meta['grpc']}. MB/s counts gradient bytes pushed plus parameter bytes pulled."]
+    if args.before_src:
+        lines += ["", f"\"before\": the shard processes of `{args.before_src}`, driven by this "
+                  f"checkout's client with `{meta['before_step']}` per step."]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "ps_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                            indent=2) + "\n")

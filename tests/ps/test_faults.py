@@ -74,6 +74,9 @@ def test_server_process_port_file_and_sigterm(tmp_path: Path) -> None:
         with PSClient([f"127.0.0.1:{port}"], timeout=5) as client:
             health = client.health()[0]
             assert health["ok"] and health["pid"] == proc.pid
+            # One intra-op thread per optimizer step by default (an OpenMP team per request
+            # spin-waited on busy cores: 2 shards + 1 worker ran at 0.3-0.45 of raw gRPC).
+            assert health["intra_op_threads"] == 1
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)
         assert proc.returncode == 0, out.decode()
@@ -82,3 +85,14 @@ def test_server_process_port_file_and_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+def test_serve_rejects_bad_intra_op_threads() -> None:
+    from stratagem.ps.server import main, serve
+
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match="intra_op_threads"):
+        serve("127.0.0.1", 0, intra_op_threads=0)
+    with pytest.raises(SystemExit):
+        main(["--intra-op-threads", "-1"])
+    assert torch.get_num_threads() == before

@@ -372,6 +372,8 @@ class ShardServer:
             "bytes": sum(s.value.nbytes for s in slots), "dropped": sum(s.dropped for s in slots),
             "uptime_seconds": time.monotonic() - self._started,
             "versions": {s.name: s.version for s in slots},
+            # As a request handler sees it: the width of each optimizer step (see serve()).
+            "intra_op_threads": torch.get_num_threads(),
         })
 
     def _register(self, msg: Message) -> bytes:
@@ -616,7 +618,9 @@ def _warm_up_optimizers() -> None:
 def start_local_shards(num_shards: int, **kwargs: Any) -> tuple[list[ShardServer], list[str]]:
     """Start ``num_shards`` in-process shards on 127.0.0.1, free ports; returns (servers, addrs).
 
-    Stop them with ``for s in servers: s.stop(0)``.
+    Stop them with ``for s in servers: s.stop(0)``. In-process shards share the caller's
+    torch intra-op threads; for throughput run each shard in a process of its own
+    (:func:`serve`, ``python -m stratagem.ps.server``).
     """
     servers = [ShardServer("127.0.0.1", 0, **kwargs) for _ in range(num_shards)]
     for s in servers:
@@ -625,14 +629,29 @@ def start_local_shards(num_shards: int, **kwargs: Any) -> tuple[list[ShardServer
 
 
 def serve(host: str = "127.0.0.1", port: int = 0, *, port_file: str | os.PathLike[str] | None
-          = None, grace: float = 2.0, **kwargs: Any) -> int:
+          = None, grace: float = 2.0, intra_op_threads: int | None = 1, **kwargs: Any) -> int:
     """Run one shard until SIGTERM/SIGINT or a ``shutdown`` call; returns the bound port.
 
     With ``port_file`` the bound port is written there (atomically) once the shard listens,
     so a launcher can pass ``port=0`` and learn the port. Tunes malloc for big messages
-    (:func:`stratagem.ps.wire.tune_malloc`): call it in a process of its own.
+    (:func:`stratagem.ps.wire.tune_malloc`) and sets torch's intra-op threads to
+    ``intra_op_threads`` (``None``: leave torch's default): call it in a process of its own.
+
+    Why one intra-op thread: a shard's parallelism is across requests (the gRPC thread pool,
+    per-tensor locks), and its tensor work is memory-bound elementwise optimizer steps on a
+    few MB. With torch's default (an OpenMP team as wide as the machine) every push was split
+    across all cores and the team's threads then spin-waited for the next step, burning the
+    cores the gRPC threads, the other shards and the workers need: on 2 cores a 4 MB SGD step
+    took 0.3-7 ms and 2 shards with 1 worker reached 0.26-0.45 of raw gRPC throughput (0.7-0.9
+    with one thread, or with ``OMP_WAIT_POLICY=passive``). Raise it only for a shard alone on
+    a big machine with few huge tensors and heavy optimizers.
     """
+    if intra_op_threads is not None and (not _is_int(intra_op_threads) or intra_op_threads < 1):
+        raise ValueError(f"intra_op_threads must be None or an integer >= 1, got "
+                         f"{intra_op_threads!r}")
     wire.tune_malloc()
+    if intra_op_threads is not None:
+        torch.set_num_threads(intra_op_threads)
     server = ShardServer(host, port, **kwargs)
     bound = server.start()
     if port_file is not None:
@@ -664,10 +683,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
     p.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--intra-op-threads", type=int, default=1,
+                   help="torch intra-op threads per optimizer step (default 1: the shard "
+                        "parallelises across requests; 0 keeps torch's default)")
     args = p.parse_args(argv)
+    if args.intra_op_threads < 0:
+        p.error(f"--intra-op-threads must be >= 0, got {args.intra_op_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     serve(args.host, args.port, port_file=args.port_file, tls_cert=args.tls_cert,
-          tls_key=args.tls_key, max_message_bytes=args.max_message_bytes)
+          tls_key=args.tls_key, max_message_bytes=args.max_message_bytes,
+          intra_op_threads=args.intra_op_threads or None)
     return 0
 
 
