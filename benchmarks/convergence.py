@@ -1,0 +1,767 @@
+"""Time to accuracy on slow links: steps and wall-clock to 93% test accuracy on MNIST-5k.
+
+    python benchmarks/convergence.py [--seeds 3] [--links lo,100mbit,20mbit] [--quick]
+
+The job of ``stratagem.demo`` (4,000 train / 1,000 test real MNIST digits, MLP
+784-256-256-10 = 269,322 fp32 parameters = 1.08 MB, Adam lr 2e-3, global batch 128 split over
+4 workers) under each strategy: Mirrored (DDP all-reduce every step), PS async (Downpour),
+EASGD sync and async (period 4; async keeps the center on one parameter-server shard), EAMSGD
+(period 4, momentum 0.9), LocalSGD (period 8) and DiLoCo (period 16, outer Nesterov lr 0.7,
+momentum 0.9). Same model, data, seeds, optimizer, batch and target for every strategy.
+
+Worker 0 evaluates the consensus model (``strategy.eval_model``) on the whole test set every
+``--eval-every`` steps and the run stops once it reaches ``--target`` (or after
+``--max-epochs``). Synchronous strategies: the other workers wait for worker 0's stop/go
+decision meanwhile, so evaluation pauses everybody and is excluded from the wall clock.
+Asynchronous strategies (whose workers never wait for each other): no worker evaluates; an
+evaluator process on the bridge reads the center / global parameters through a strategy
+instance that never steps, each time the workers' mean step count crosses a multiple of
+``--eval-every``, and the wall clock is the real one.
+
+Links: ``lo`` (loopback, workers in the root namespace) and shaped links (``100mbit``,
+``20mbit``...): each worker in its own network namespace with a veth to a bridge
+(10.77.0.0/24), capped both ways with ``tc tbf`` (see ``benchmarks/netns.py``). The
+TCPStore and the PS shard run in the root namespace on the bridge. Needs root; without it
+only ``lo`` runs.
+
+Writes ``benchmarks/results/convergence.{json,md,png}``. Done-when target: on the 100 Mbit/s
+links at least one averaging strategy reaches 93% in <= 0.5x Mirrored's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+REPO = HERE.parent
+
+#: name -> (registry name, strategy arguments, needs a PS shard, synchronous)
+STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
+    "mirrored": ("mirrored", {}, False, True),
+    "ps-async": ("ps-async", {}, True, False),
+    "easgd": ("easgd", {"period": 4}, False, True),
+    "easgd-async": ("easgd-async", {"period": 4}, True, False),
+    "eamsgd": ("eamsgd", {"period": 4}, False, True),
+    "local_sgd": ("local_sgd", {"period": 8}, False, True),
+    "diloco": ("diloco", {"period": 16, "outer_lr": 0.7, "outer_momentum": 0.9}, False, True),
+}
+QUICK_STRATEGIES = ["mirrored", "easgd", "local_sgd"]
+PS_MODULE = "stratagem.strategies.parameter_server"
+
+
+# =========================================================================== worker side
+
+_TAG = "bench/"
+
+
+def _accuracy(model: Any, X: Any, y: Any) -> float:
+    import torch
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(X).argmax(dim=1) == y).float().mean())
+    model.train(was_training)
+    return acc
+
+
+def _store(timeout: float) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                    int(os.environ.get("WORLD_SIZE", "1")), is_master=False,
+                    timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def _build(cfg: dict[str, Any], **strategy_kwargs: Any) -> tuple[Any, Any, Any]:
+    """The strategy, then the prepared model and optimizer: the same for every strategy."""
+    import torch
+
+    import stratagem as sg
+    from stratagem.demo import MLP
+
+    strategy = sg.from_name(cfg["strategy"], timeout=float(cfg["timeout"]),
+                            **cfg["strategy_args"], **strategy_kwargs)
+    with strategy.scope():
+        torch.manual_seed(int(cfg["seed"]))
+        model = MLP(int(cfg["hidden"]))
+        optimizer = torch.optim.Adam(model.parameters(), lr=float(cfg["lr"]))
+        model, optimizer = strategy.prepare(model, optimizer)
+    return strategy, model, optimizer
+
+
+class _Progress(threading.Thread):
+    """Async workers: publish this worker's step count and watch for the stop key from a
+    thread with its own store client, so the training loop never waits on the store (which
+    shares the shaped link)."""
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.rank, self.timeout = rank, timeout
+        self.step = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        store = _store(self.timeout)
+        last = -1
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                if self.step != last:
+                    last = self.step
+                    store.set(f"{_TAG}step/{self.rank}", str(last))
+                if store.check([f"{_TAG}stop"]):
+                    self.stop.set()
+            time.sleep(0.02)
+
+
+def worker_main(cfg_path: str) -> int:
+    """One worker process (started by the parent in its namespace). Writes a JSON result.
+
+    Synchronous strategies: worker 0 evaluates every ``eval_every`` steps while the others
+    wait for its stop/go decision (the clock is paused for everybody). Asynchronous ones: an
+    evaluator process watches (``evaluator_main``) and nobody pauses."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    import torch
+    import torch.nn.functional as F
+
+    from stratagem.demo import load_mnist5k
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = float(cfg["timeout"])
+    ctrl = _store(timeout)
+    strategy, model, optimizer = _build(cfg)
+    (X_train, y_train), (X_test, y_test) = load_mnist5k()
+    seed = int(cfg["seed"])
+    loader = strategy.distribute_dataset((X_train, y_train), int(cfg["global_batch_size"]),
+                                         shuffle=True, seed=seed)
+    sync, every, target = bool(cfg["sync"]), int(cfg["eval_every"]), float(cfg["target"])
+    early_stop = bool(cfg["early_stop"])
+    progress = None
+    parties = world
+    if not sync:
+        progress = _Progress(rank, timeout)
+        ctrl.set(f"{_TAG}step/{rank}", "0")
+        progress.start()
+        parties += 1  # the evaluator
+
+    # Everybody starts the clock together (after start-up, prepare and PS registration).
+    ctrl.set(f"{_TAG}ready/{rank}", "1")
+    ctrl.wait([f"{_TAG}ready/{r}" for r in range(parties)], timedelta(seconds=timeout))
+    start = time.perf_counter()
+    paused = 0.0  # seconds worker 0 spent evaluating (sync): not training time
+    curve: list[tuple[float, float, float]] = []
+    reached: tuple[float, float, float] | None = None
+
+    def evaluate(step: int) -> bool:
+        nonlocal paused, reached
+        t0 = time.perf_counter()
+        wall = t0 - start - paused
+        acc = _accuracy(strategy.unwrap(strategy.eval_model(model)), X_test, y_test)
+        curve.append((wall, step, acc))
+        if reached is None and acc >= target:
+            reached = (wall, step, acc)
+        paused += time.perf_counter() - t0
+        return early_stop and reached is not None
+
+    if sync and rank == 0:
+        evaluate(0)
+    step, stop = 0, False
+    for epoch in range(int(cfg["max_epochs"])):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            strategy.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if progress is not None:
+                progress.step = step
+                stop = progress.stop.is_set()
+            elif step % every == 0:
+                if rank == 0:
+                    stop = evaluate(step)
+                    ctrl.set(f"{_TAG}go/{step}", "stop" if stop else "go")
+                else:
+                    stop = ctrl.get(f"{_TAG}go/{step}") == b"stop"
+            if stop:
+                break
+        if stop:
+            break
+    end_wall = time.perf_counter() - start - paused
+    if sync and rank == 0 and curve[-1][1] != step:
+        evaluate(step)
+    metrics = strategy.metrics()
+    steps = max(1, int(metrics["steps"]))
+    result: dict[str, Any] = {
+        "rank": rank, "steps": int(metrics["steps"]), "wall_seconds": end_wall,
+        "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
+        "bytes_sent_per_step": metrics["bytes_sent"] / steps,
+        "comm_seconds": metrics["comm_seconds"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "num_parameters": sum(p.numel() for p in strategy.unwrap(model).parameters()),
+        "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+    }
+    if sync and rank == 0:
+        result.update(curve=curve, final_accuracy=curve[-1][2],
+                      reached=None if reached is None else
+                      {"wall": reached[0], "step": reached[1], "accuracy": reached[2]})
+    Path(cfg["result_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+    if progress is not None:
+        progress.stop.set()
+        ctrl.set(f"{_TAG}step/{rank}", str(step))
+        ctrl.set(f"{_TAG}finished/{rank}", "1")
+    else:
+        # Nobody closes its sockets while a peer may still be reading the last collective.
+        ctrl.set(f"{_TAG}done/{rank}", "1")
+        ctrl.wait([f"{_TAG}done/{r}" for r in range(world)], timedelta(seconds=timeout))
+    strategy.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (gloo/gRPC destructors) once the result is out
+
+
+def evaluator_main(cfg_path: str) -> int:
+    """Asynchronous strategies: evaluate the consensus model (``eval_model`` of a strategy
+    instance that never steps, on the bridge next to the PS shard) each time the workers'
+    mean step count crosses a multiple of ``eval_every``; set the stop key at the target.
+    Its wall clock is the real one: no worker ever pauses for it."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    import torch
+
+    import stratagem as sg
+    from stratagem.demo import load_mnist5k
+
+    torch.set_num_threads(1)
+    world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
+    every, target = int(cfg["eval_every"]), float(cfg["target"])
+    store = _store(timeout)
+    _, (X_test, y_test) = load_mnist5k()
+    store.wait([f"{_TAG}ready/{r}" for r in range(world)], timedelta(seconds=timeout))
+    # Registered after every worker: it only reads the center / global parameters.
+    strategy, model, _ = _build(cfg, comm=sg.Comm.single())
+    store.set(f"{_TAG}ready/{world}", "1")
+    store.wait([f"{_TAG}ready/{r}" for r in range(world + 1)], timedelta(seconds=timeout))
+    start = time.perf_counter()
+    step_keys = [f"{_TAG}step/{r}" for r in range(world)]
+    finished = [f"{_TAG}finished/{r}" for r in range(world)]
+    curve: list[tuple[float, float, float]] = []
+    reached = None
+    next_at = 0.0
+    while True:
+        done = store.check(finished)
+        mean = sum(int(v) for v in store.multi_get(step_keys)) / world
+        if mean >= next_at or done:
+            wall = time.perf_counter() - start
+            acc = _accuracy(strategy.unwrap(strategy.eval_model(model)), X_test, y_test)
+            curve.append((wall, mean, acc))
+            next_at = (math.floor(mean / every) + 1) * every
+            if reached is None and acc >= target:
+                reached = {"wall": wall, "step": mean, "accuracy": acc}
+                if cfg["early_stop"]:
+                    store.set(f"{_TAG}stop", "1")
+                    break
+        if done:
+            break
+        time.sleep(0.01)
+    Path(cfg["result_dir"], "evaluator.json").write_text(json.dumps(
+        {"curve": curve, "final_accuracy": curve[-1][2], "reached": reached}))
+    strategy.close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# =========================================================================== parent side
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _kill_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(p, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=grace)
+
+
+def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace,
+             tmp: Path) -> dict[str, Any]:
+    """One job: ``args.workers`` worker processes (in namespaces on a shaped link)."""
+    from torch.distributed import TCPStore
+
+    from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
+
+    name, strategy_args, needs_ps, sync = STRATEGIES[key]
+    W = args.workers
+    host = "127.0.0.1" if topo is None else topo.host_ip
+    run_dir = tmp / f"{key}-{link}-s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
+           "hidden": 256, "lr": 2e-3, "global_batch_size": 128, "eval_every": args.eval_every,
+           "target": args.target, "max_epochs": args.max_epochs, "timeout": args.timeout,
+           "early_stop": not args.no_early_stop, "result_dir": str(run_dir)}
+    cfg_path = run_dir / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=args.timeout))
+    shards = None
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    t0 = time.perf_counter()
+    error = None
+    try:
+        if needs_ps:
+            shards = start_ps_shards(1, host=host)
+        script = [sys.executable, str(Path(__file__).resolve())]
+        # Async strategies get an evaluator (rank W here) on the bridge, next to the shard.
+        for r in range(W if sync else W + 1):
+            env = dict(os.environ)
+            env.update(worker_env(rank=r, world_size=W, master_port=store.port,
+                                  master_addr=host,
+                                  ps_addrs=shards.addresses if shards else (), base={}))
+            env["OMP_NUM_THREADS"] = "1"
+            env["PYTHONPATH"] = child_pythonpath(env)
+            if r < W:
+                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(r)
+                argv = [*([] if topo is None else topo.exec_prefix(r)), *script, "--worker"]
+            else:
+                argv = [*script, "--evaluator"]
+            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + args.run_timeout
+        while any(p.poll() is None for p in procs):
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                error = f"timed out after {args.run_timeout:g} s"
+                break
+            time.sleep(0.1)
+        if error is None:
+            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if bad:
+                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+    finally:
+        _stop_all(procs)
+        for log in logs:
+            log.close()
+        if shards is not None:
+            shards.stop()
+        del store
+    job_seconds = time.perf_counter() - t0
+    ranks = []
+    for r in range(W):
+        f = run_dir / f"rank{r}.json"
+        if f.exists():
+            ranks.append(json.loads(f.read_text()))
+    out: dict[str, Any] = {"strategy": key, "link": link, "seed": seed,
+                           "strategy_args": strategy_args, "job_seconds": job_seconds,
+                           "error": error}
+    evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
+    if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
+        logs_text = [(run_dir / f"rank{r}.log").read_text(errors="replace")
+                     for r in range(len(procs))]
+        out["error"] = error or "no result from worker 0 or the evaluator"
+        out["log_tail"] = logs_text[0][-3000:] + "".join(
+            f"\n--- rank {r}\n{t[-1500:]}" for r, t in enumerate(logs_text)
+            if r and ("Error" in t or "Traceback" in t))
+        return out
+    chief = {**ranks[0], **json.loads(evaluator.read_text())}
+    out.update({k: chief[k] for k in ("curve", "final_accuracy", "reached", "steps",
+                                       "wall_seconds", "bytes_per_step",
+                                       "bytes_sent_per_step", "comm_seconds",
+                                       "num_parameters")})
+    out["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
+    out["worker_steps"] = [r["steps"] for r in ranks]
+    return out
+
+
+# =========================================================================== summary
+
+
+def _median(values: list[float]) -> float:
+    """Median where an unreached target counts as +inf (so a majority must reach it)."""
+    return statistics.median(values) if values else math.nan
+
+
+def summarize(runs: list[dict[str, Any]], strategies: list[str], links: list[str],
+              seeds: list[int], missing: dict[str, str]) -> list[dict[str, Any]]:
+    rows = []
+    for link in links:
+        base_wall: float | None = None
+        base_seeds: dict[int, float | None] = {}
+        for key in sorted(strategies, key=lambda k: k != "mirrored"):  # the baseline first
+            rs = [r for r in runs if r["strategy"] == key and r["link"] == link]
+            row: dict[str, Any] = {"strategy": key, "link": link, "runs": len(rs)}
+            if key in missing:
+                row["missing"] = missing[key]
+                rows.append(row)
+                continue
+            ok = [r for r in rs if r.get("error") is None]
+            row["errors"] = [r["error"] for r in rs if r.get("error") is not None]
+            row["reached"] = sum(1 for r in ok if r["reached"])
+            steps = [r["reached"]["step"] if r["reached"] else math.inf for r in ok]
+            walls = [r["reached"]["wall"] if r["reached"] else math.inf for r in ok]
+            row["median_steps"] = _median(steps)
+            row["median_wall"] = _median(walls)
+            row["final_accuracy"] = _median([r["final_accuracy"] for r in ok])
+            row["bytes_per_step"] = _median([r["bytes_per_step"] for r in ok])
+            row["peak_rss_mb"] = _median([max(r["peak_rss_mb"]) for r in ok])
+            row["per_seed_wall"] = {r["seed"]: (r["reached"]["wall"] if r["reached"] else None)
+                                    for r in ok}
+            if key == "mirrored":
+                base_wall = row["median_wall"]
+                base_seeds = row["per_seed_wall"]
+            row["per_seed_ratio"] = {
+                seed: (w / base_seeds[seed] if w is not None and base_seeds.get(seed) else None)
+                for seed, w in row["per_seed_wall"].items()}
+            row["ratio"] = (row["median_wall"] / base_wall
+                            if base_wall and math.isfinite(base_wall) else math.nan)
+            rows.append(row)
+    return rows
+
+
+def _fmt(x: float, spec: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if isinstance(x, float) and math.isinf(x):
+        return "not reached"
+    return format(x, spec)
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Time to 93% test accuracy (MNIST-5k, 4 workers)",
+        "",
+        f"MLP 784-256-256-10 ({meta['num_parameters']:,} fp32 parameters), Adam lr 2e-3, "
+        "global batch 128 (32 per worker), same seeds for every strategy. The consensus "
+        "model (`eval_model`) is evaluated on the 1,000 test digits every "
+        f"{meta['eval_every']} steps; target {meta['target']:.0%}; at most "
+        f"{meta['max_epochs']} epochs. Wall = training wall-clock from a common start "
+        "(start-up excluded; sync strategies pause for evaluation, which is excluded; async "
+        "ones are watched by a separate evaluator, see the notes). Medians over seeds 0..N-1 "
+        f"with N per link {meta.get('seeds_per_link', len(meta['seeds']))} (an unreached "
+        "target counts as infinite). Ratio = median wall / Mirrored's median wall on the "
+        "same link. Final accuracy = at the end of the run (runs stop at the target, else "
+        "after the last epoch). Bytes/step = worker 0's bytes sent + "
+        "received per step as counted by the strategy.",
+        "",
+        f"Links: `lo` = loopback; `Nmbit` = each worker in its own network namespace, veth to "
+        "a bridge, `tc tbf rate N burst 64kb latency 100ms` both ways (no added delay: "
+        "netem is unavailable). Machine: "
+        f"{meta['cpus']} CPUs shared with other jobs (load average at start "
+        f"{meta['loadavg_start']}).",
+        "",
+        f"Command: `{meta['command']}` ({meta['total_minutes']:.1f} min)",
+        "",
+        "| strategy | link | reached | median steps to 93% | median wall s to 93% | "
+        "wall vs Mirrored | final accuracy | bytes/step |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "missing" in r:
+            lines.append(f"| {r['strategy']} | {r['link']} | n/a | n/a | n/a | n/a | n/a | n/a |")
+            continue
+        failed = f" ({len(r['errors'])} failed)" if r["errors"] else ""
+        lines.append(
+            f"| {r['strategy']} | {r['link']} | {r['reached']}/{r['runs']}{failed} | "
+            f"{_fmt(r['median_steps'], '.0f')} | {_fmt(r['median_wall'], '.1f')} | "
+            f"{_fmt(r['ratio'], '.2f')} | {_fmt(r['final_accuracy'], '.3f')} | "
+            f"{_fmt(r['bytes_per_step'], ',.0f')} |")
+    notes = meta.get("notes", [])
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], target: float,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5.0), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, link in zip(axes[0], links, strict=True):
+        visible: list[float] = []  # times with accuracy inside the y range: the x range
+        for i, key in enumerate(strategies):
+            labelled = False
+            for r in runs:
+                if r["strategy"] != key or r["link"] != link or r.get("error") is not None:
+                    continue
+                # Log time axis (the fast strategies finish 10x sooner): drop the t=0 point.
+                points = [(w, a) for w, _, a in r["curve"] if w > 0]
+                if not points:
+                    continue
+                visible += [w for w, a in points if a >= 0.80]
+                wall, acc = zip(*points, strict=True)
+                ax.plot(wall, acc, color=colors[i % len(colors)], lw=1.1, alpha=0.8,
+                        label=None if labelled else key)
+                labelled = True
+        ax.axhline(target, color="k", ls="--", lw=0.8)
+        ax.set_title(f"link: {link}")
+        ax.set_xscale("log")
+        if visible:
+            ax.set_xlim(min(visible) * 0.7, max(visible) * 1.3)
+        ax.set_xlabel("training wall-clock (s, log scale)")
+        ax.set_ylabel("test accuracy of the consensus model")
+        ax.set_ylim(0.80, 0.96)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"MNIST-5k, 4 workers: test accuracy vs wall-clock, one line per seed "
+                 f"(dashed: the {target:.0%} target)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# =========================================================================== main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="3",
+                   help="number of seeds (0..N-1), or per link: lo=3,100mbit=3,20mbit=1")
+    p.add_argument("--links", default="lo,100mbit,20mbit",
+                   help="comma list: lo and/or tc rates such as 100mbit,20mbit")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"comma list from {', '.join(STRATEGIES)}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: 1 seed, lo + 100mbit, {', '.join(QUICK_STRATEGIES)}")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--target", type=float, default=0.93)
+    p.add_argument("--eval-every", type=int, default=4, help="evaluate every N steps")
+    p.add_argument("--max-epochs", type=int, default=16, help="stop here if never reached")
+    p.add_argument("--no-early-stop", action="store_true",
+                   help="train all --max-epochs even after reaching the target")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="one job's time limit s")
+    p.add_argument("--out", default=str(RESULTS / "convergence"),
+                   help="output path without extension (.json, .md, .png are written)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="only re-render the table and plot from an earlier run's JSON")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--evaluator", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = "1"
+        if args.links == p.get_default("links"):
+            args.links = "lo,100mbit"
+        if args.strategies == p.get_default("strategies"):
+            args.strategies = ",".join(QUICK_STRATEGIES)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if args.evaluator:
+        return evaluator_main(args.evaluator)
+    if args.from_json:
+        return rewrite_from_json(args.from_json, Path(args.out))
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
+    from netns import NetnsUnavailable, Topology, check_netns
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        print(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
+        return 2
+    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    try:
+        if "=" in args.seeds:
+            per_link = {k.strip(): int(v) for k, v in
+                        (item.split("=", 1) for item in args.seeds.split(","))}
+            missing_links = [link for link in links if link not in per_link]
+            if missing_links:
+                raise ValueError(f"no seed count for {missing_links}")
+        else:
+            per_link = dict.fromkeys(links, int(args.seeds))
+    except ValueError as e:
+        print(f"--seeds must be N or LINK=N,LINK=N covering every link, got {args.seeds!r} "
+              f"({e})", file=sys.stderr)
+        return 2
+    seeds = list(range(max(per_link.values(), default=0)))
+    notes: list[str] = []
+    missing: dict[str, str] = {}
+    if "ps-async" in strategies and importlib.util.find_spec(PS_MODULE) is None:
+        missing["ps-async"] = f"{PS_MODULE} is not importable (not written yet)"
+        notes.append(f"ps-async: n/a, {missing['ps-async']}.")
+        print(f"ps-async: {missing['ps-async']}; its rows are n/a", flush=True)
+    shaped = [link for link in links if link != "lo"]
+    if shaped:
+        try:
+            if os.geteuid() != 0:
+                raise NetnsUnavailable("shaped links need root (ip netns, tc)")
+            check_netns()
+        except NetnsUnavailable as e:
+            print(f"cannot build shaped links ({e}); running loopback only", flush=True)
+            notes.append(f"shaped links {shaped} skipped: {e}")
+            links = [link for link in links if link == "lo"]
+    runnable = [s for s in strategies if s not in missing]
+    meta: dict[str, Any] = {
+        "command": "python benchmarks/convergence.py " + " ".join(argv or sys.argv[1:]),
+        "workers": args.workers, "target": args.target, "eval_every": args.eval_every,
+        "max_epochs": args.max_epochs, "seeds": seeds, "seeds_per_link": per_link,
+        "links": links,
+        "strategies": {k: STRATEGIES[k][1] for k in strategies}, "cpus": os.cpu_count(),
+        "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "python": platform.python_version(), "num_parameters": 269_322,
+    }
+    runs: list[dict[str, Any]] = []
+    topo = Topology(args.workers) if any(link != "lo" for link in links) else None
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # SIGTERM -> KeyboardInterrupt, so the finally below removes the namespaces either way.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sg-convergence-") as tmpdir:
+            if topo is not None:
+                topo.up()
+            for link in links:
+                if link != "lo":
+                    assert topo is not None
+                    topo.shape(link)
+                for seed in range(per_link[link]):
+                    # Rotate the order per seed so no strategy always runs first/last.
+                    order = runnable[seed % len(runnable):] + runnable[:seed % len(runnable)]
+                    for key in order:
+                        r = run_once(key, link, seed, None if link == "lo" else topo, args,
+                                     Path(tmpdir))
+                        runs.append(r)
+                        _print_run(r)
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
+        notes.append("interrupted: partial results")
+    finally:
+        if topo is not None:
+            topo.down()
+    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
+    params = [r["num_parameters"] for r in runs if r.get("num_parameters")]
+    if params:
+        meta["num_parameters"] = params[0]
+    meta["missing"], meta["base_notes"] = missing, notes
+    write_results(meta, runs, strategies, out)
+    return 0 if all(r.get("error") is None for r in runs) else 1
+
+
+def _clean(value: Any) -> Any:
+    """inf/nan -> None, so the JSON is standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: list[str],
+                  out: Path) -> None:
+    """Summarise ``runs`` and write ``out`` .md, .json and .png."""
+    links, missing = meta["links"], meta.get("missing", {})
+    rows = summarize(runs, strategies, links, meta["seeds"], missing)
+    meta["notes"] = list(meta.get("base_notes", [])) + _auto_notes(rows, runs)
+    table = markdown(rows, meta)
+    out.with_suffix(".md").write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(
+        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
+    ran = [k for k in strategies if k not in missing]
+    if runs:
+        plot(runs, links, ran, meta["target"], out.with_suffix(".png"))
+    print()
+    print(table)
+    print(f"wrote {out.with_suffix('.md')}, .json, .png")
+
+
+def rewrite_from_json(path: str, out: Path) -> int:
+    """Re-render the table and the plot of an earlier run (no training)."""
+    data = json.loads(Path(path).read_text())
+    meta, runs = data["meta"], data["runs"]
+    write_results(meta, runs, list(meta["strategies"]), out)
+    return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _print_run(r: dict[str, Any]) -> None:
+    if r.get("error"):
+        print(f"{r['strategy']:12s} {r['link']:8s} seed {r['seed']}: FAILED {r['error']}\n"
+              f"{r.get('log_tail', '')}", flush=True)
+        return
+    hit = r["reached"]
+    what = (f"93% at step {hit['step']} / {hit['wall']:.1f}s" if hit else
+            f"target not reached in {r['steps']} steps ({r['wall_seconds']:.1f}s)")
+    print(f"{r['strategy']:12s} {r['link']:8s} seed {r['seed']}: {what}; final acc "
+          f"{r['final_accuracy']:.3f}, {r['bytes_per_step']:,.0f} B/step, "
+          f"job {r['job_seconds']:.1f}s", flush=True)
+
+
+def _auto_notes(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    for r in rows:
+        if "missing" in r:
+            continue
+        if r["runs"] and r["reached"] < r["runs"]:
+            notes.append(f"{r['strategy']} on {r['link']}: reached the target in "
+                         f"{r['reached']} of {r['runs']} runs.")
+        for e in r["errors"]:
+            notes.append(f"{r['strategy']} on {r['link']}: a run failed: {e}")
+    for link in sorted({r["link"] for r in rows}):
+        if link == "lo":
+            continue
+        best = [r for r in rows if r["link"] == link and r["strategy"] != "mirrored"
+                and "missing" not in r and math.isfinite(r.get("ratio", math.nan))]
+        if best:
+            b = min(best, key=lambda r: r["ratio"])
+            verdict = "met" if b["ratio"] <= 0.5 else "NOT met"
+            notes.append(f"{link}: fastest to target vs Mirrored is {b['strategy']} at "
+                         f"{b['ratio']:.2f}x Mirrored's wall time (target <= 0.5x: {verdict}).")
+    if any(r["strategy"] in ("easgd-async", "ps-async") for r in runs):
+        notes.append("Async strategies (easgd-async, ps-async): no worker evaluates; an "
+                     "evaluator process on the bridge pulls the consensus model each time the "
+                     "workers' mean step count crosses a multiple of the evaluation interval "
+                     "(steps = that mean, wall = real time: nobody pauses). It shares the 2 "
+                     "CPUs with the workers.")
+    return notes
+
+
+if __name__ == "__main__":
+    sys.exit(main())
