@@ -523,3 +523,10 @@ def test_registry_names_build_elastic_averaging():
     s = sg.from_name("eamsgd", comm=Comm.single())
     assert isinstance(s, ElasticAveraging) and s.momentum == 0.9 and s.mode == "sync"
     assert sg.ElasticAveraging is ElasticAveraging
+
+
+def test_eamsgd_warns_on_top_of_a_momentum_optimizer():
+    strategy = sg.ElasticAveraging(momentum=0.9)
+    model = torch.nn.Linear(2, 2)
+    with pytest.warns(RuntimeWarning, match="plain SGD"):
+        strategy.prepare(model, torch.optim.Adam(model.parameters()))
