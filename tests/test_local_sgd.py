@@ -296,3 +296,25 @@ def test_registry_names():
     assert isinstance(sg.from_name("local_sgd", comm=Comm.single()), LocalSGD)
     assert isinstance(sg.from_name("diloco", comm=Comm.single()), DiLoCo)
     assert sg.LocalSGD is LocalSGD and sg.DiLoCo is DiLoCo
+
+
+def test_diloco_eval_model_holds_the_outer_parameters():
+    data = make_data()
+
+    def job(comm):
+        s = sg.DiLoCo(comm=comm, period=4, outer_lr=0.7, outer_momentum=0.9)
+        model = make_model()
+        model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        X, Y = data
+        for step in range(6):  # one outer step at 4, then 2 inner steps that drift
+            x, y = X[comm.rank::2][step * 8:(step + 1) * 8], Y[comm.rank::2][step * 8:(step + 1) * 8]
+            s.backward(torch.nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        outer = {k: v.clone() for k, v in s.eval_model(model).state_dict().items()}
+        inner = {k: v.clone() for k, v in s.unwrap(model).state_dict().items()}
+        return outer, inner
+
+    (o0, i0), (o1, i1) = run_ranks(job, 2)
+    assert_states_close(o0, o1, atol=0, rtol=0)  # the consensus model is the same everywhere
+    assert any(not torch.equal(i0[k], o0[k]) for k in o0)  # and not the drifting inner model

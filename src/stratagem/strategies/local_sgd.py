@@ -20,6 +20,7 @@ gathers for checkpoints) are shared with :mod:`stratagem.strategies.elastic_aver
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -347,6 +348,21 @@ class DiLoCo(Strategy):
                     st.prev[i].sub_(d, alpha=lr)
                     st.params[i].copy_(st.prev[i])
         self._outer_steps += 1
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """A module holding the outer (consensus) parameters ``theta_prev`` — the model the
+        checkpoint keeps — rather than this worker's drifting inner model. Costs one more copy
+        of the model, made on the first call."""
+        prepared = self._find_prepared(model)
+        if prepared is None:
+            return model
+        outer = prepared.state.get("diloco_eval")
+        if outer is None:
+            outer = copy.deepcopy(prepared.module)
+            prepared.state["diloco_eval"] = outer
+        with torch.no_grad():
+            outer.load_state_dict(self._checkpoint_model(prepared))
+        return outer
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
