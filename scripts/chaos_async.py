@@ -1,4 +1,4 @@
-"""Async chaos (issue 6): EASGD async with 4 workers on MNIST-5k, one worker SIGKILLed about
+"""Async chaos (issue 6): EASGD async (or ``--strategy ps-async``) with 4 workers on MNIST-5k, one worker SIGKILLed about
 every ``--kill-every`` seconds and restarted alone by ``sg.launch(restart="failed")``; the
 final center accuracy is compared with a fault-free run of the same job.
 
@@ -40,13 +40,17 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     (work / f"pid{rank}").write_text(str(os.getpid()))
     torch.manual_seed(rank + 1000 * attempt)
     (train, test) = load_mnist5k()
-    s = sg.ElasticAveraging(mode="async", period=cfg["period"], moving_rate=cfg["moving_rate"],
-                            comm=sg.Comm.single(), timeout=60)
+    s: sg.Strategy
+    if cfg["strategy"] == "ps-async":
+        s = sg.ParameterServer(mode="async", comm=sg.Comm.single(), timeout=60)
+    else:
+        s = sg.ElasticAveraging(mode="async", period=cfg["period"],
+                                moving_rate=cfg["moving_rate"], comm=sg.Comm.single(), timeout=60)
     with s.scope():
         torch.manual_seed(0)
         model = MLP()
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-        model, opt = s.prepare(model, opt)  # a restarted worker starts from the center
+        model, opt = s.prepare(model, opt)  # a restarted worker starts from the shared model
     loader = DistributedLoader(train, cfg["batch"] * world, num_replicas=world, replica_id=rank,
                                seed=0)
     progress = work / f"progress{rank}.json"
@@ -121,14 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--kill-every", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strategy", choices=["easgd-async", "ps-async"], default="easgd-async")
     args = ap.parse_args(argv)
-    cfg = {"epochs": args.epochs, "batch": 32, "lr": 0.05, "period": 4, "moving_rate": 0.1}
+    cfg = {"strategy": args.strategy, "epochs": args.epochs, "batch": 32, "lr": 0.05, "period": 4, "moving_rate": 0.1}
     clean = run(cfg, args.workers, None, args.seed)
     print("[chaos] fault-free:", json.dumps(clean), flush=True)
     faulty = run(cfg, args.workers, args.kill_every, args.seed)
     print("[chaos] faulty:", json.dumps(faulty), flush=True)
     gap = abs(clean["accuracy"] - faulty["accuracy"]) * 100
-    print(json.dumps({"fault_free_accuracy": clean["accuracy"],
+    print(json.dumps({"strategy": args.strategy, "fault_free_accuracy": clean["accuracy"],
                       "faulty_accuracy": faulty["accuracy"], "gap_points": round(gap, 2),
                       "kills": len(faulty["kills"]), "fault_free_s": clean["seconds"],
                       "faulty_s": faulty["seconds"]}), flush=True)

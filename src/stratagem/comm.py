@@ -12,6 +12,8 @@ non-root rank and sends ``S`` from the root.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
 import time
@@ -135,6 +137,10 @@ class Comm:
             backend, store=dist.PrefixStore("default_pg", store), rank=rank,
             world_size=world_size, timeout=timedelta(seconds=timeout),
         )
+        # Tear the group down before static destructors run: left to them, gloo's threads can
+        # be destroyed while joinable and the process aborts at exit ("terminate called
+        # without an active exception").
+        atexit.register(_destroy_default_group)
         group = dist.distributed_c10d._get_default_group()
         return cls(group, rank, world_size, store=store, timeout=timeout)
 
@@ -290,6 +296,12 @@ class Comm:
         if self.world_size == 1:
             return
         self.all_reduce(torch.zeros(1))
+
+
+def _destroy_default_group() -> None:
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -262,10 +262,24 @@ def _worker_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
         conn.send_bytes(payload)
     finally:
         conn.close()
+    _teardown_distributed()
     if code:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _teardown_distributed() -> None:
+    """Destroy torch.distributed's default group before the interpreter exits: left to static
+    destructors, gloo's threads can be torn down while still joinable and the worker aborts
+    with 'terminate called without an active exception' (seen about every other run of
+    benchmarks/compression.py after the result was already sent)."""
+    dist_mod = sys.modules.get("torch.distributed")
+    if dist_mod is None:
+        return
+    with contextlib.suppress(Exception):
+        if dist_mod.is_available() and dist_mod.is_initialized():
+            dist_mod.destroy_process_group()
 
 
 def _check_picklable_target(fn: Callable[..., Any]) -> None:
