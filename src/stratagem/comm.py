@@ -17,6 +17,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -38,6 +39,16 @@ _REDUCE_OPS = {
 _HEARTBEAT_SECONDS = 1.0
 
 
+_LIVE_HEARTBEATS: weakref.WeakSet[_Heartbeat] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_heartbeats() -> None:
+    # atexit runs before finalization freezes daemon threads (see _Heartbeat.stop).
+    for beat in list(_LIVE_HEARTBEATS):
+        beat.stop()
+
+
 class _Heartbeat:
     """A daemon thread bumping a counter in the store so a failed collective can tell a dead
     peer (counter frozen) from a slow one (counter moving, collective progress behind)."""
@@ -50,6 +61,7 @@ class _Heartbeat:
         self._beats = 0
         self._thread = threading.Thread(target=self._run, name=f"sg-heartbeat-{rank}", daemon=True)
         self._thread.start()
+        _LIVE_HEARTBEATS.add(self)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -62,6 +74,11 @@ class _Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        # Join: a daemon thread still inside store.set (a C++ call that released the GIL) when
+        # the interpreter finalizes is force-unwound and aborts the whole process ("terminate
+        # called without an active exception"). set() is bounded by the store's timeout.
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
 
 class Comm:
