@@ -21,7 +21,6 @@ The consensus model, and the one checkpointed and evaluated, is the center.
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..ps.addresses import shard_addresses
 from ..strategy import Prepared, Strategy, StrategyOptimizer
 from .local_sgd import (
     _check_int,
@@ -161,7 +161,7 @@ class ElasticAveraging(Strategy):
                 raise ValueError(f"{flag} must be True or False, got {value!r}")
         addresses: list[str] = []
         if mode == "async":
-            addresses = _ps_addresses(ps_addresses)
+            addresses = shard_addresses(ps_addresses, who="ElasticAveraging(mode='async')")
         elif ps_addresses is not None:
             raise ValueError(f"ps_addresses only applies to mode='async', got ps_addresses="
                              f"{ps_addresses!r} with mode={mode!r}. Fix: drop ps_addresses or "
@@ -463,20 +463,3 @@ def _in_range(value: Any, low: float, high: float, *, low_open: bool = False,
     above = value > low if low_open else value >= low
     below = value < high if high_open else value <= high
     return above and below
-
-
-def _ps_addresses(given: str | Sequence[str] | None) -> list[str]:
-    raw: str | Sequence[str] | None = given
-    source = "ps_addresses"
-    if raw is None:
-        raw = os.environ.get("STRATAGEM_PS_ADDRS", "")
-        source = "STRATAGEM_PS_ADDRS"
-    items = raw.split(",") if isinstance(raw, str) else list(raw)
-    addresses = [a.strip() for a in items if isinstance(a, str) and a.strip()]
-    if not addresses or len(addresses) != len(items) or any(
-            a.rpartition(":")[2] == "" or not a.rpartition(":")[2].isdigit() for a in addresses):
-        raise ValueError(f"mode='async' needs parameter-server shard addresses 'host:port', got "
-                         f"{source}={raw!r}. Fix: start shards (stratagem run --num-ps K, or "
-                         "stratagem ps) and set STRATAGEM_PS_ADDRS=host:port,... or pass "
-                         "ps_addresses=[...]")
-    return addresses

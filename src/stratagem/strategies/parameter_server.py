@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from torch import nn
 
 from ..compression import COMPRESSIONS, ErrorFeedback
 from ..ps import optim as ps_optim
+from ..ps.addresses import shard_addresses
 from ..strategy import Prepared, Strategy, StrategyOptimizer
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class ParameterServer(Strategy):
                              "error_feedback")
         if not isinstance(prefetch, bool):
             raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
-        self.ps_addresses = _ps_addresses(ps_addresses)
+        self.ps_addresses = shard_addresses(ps_addresses, who="ParameterServer")
         super().__init__(**common)
         self.mode = mode
         self.push_every = push_every
@@ -687,20 +687,3 @@ def _check_count(name: str, value: Any) -> int:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}. Fix: pass e.g. "
                          f"{name}=1")
     return value
-
-
-def _ps_addresses(given: str | Sequence[str] | None) -> list[str]:
-    raw: str | Sequence[str] | None = given
-    source = "ps_addresses"
-    if raw is None:
-        raw = os.environ.get("STRATAGEM_PS_ADDRS", "")
-        source = "STRATAGEM_PS_ADDRS"
-    items = raw.split(",") if isinstance(raw, str) else list(raw)
-    addresses = [a.strip() for a in items if isinstance(a, str) and a.strip()]
-    if not addresses or len(addresses) != len(items) or any(
-            not a.rpartition(":")[2].isdigit() for a in addresses):
-        raise ValueError(f"ParameterServer needs parameter-server shard addresses 'host:port', "
-                         f"got {source}={raw!r}. Fix: start shards (stratagem run --num-ps K, "
-                         "sg.launch(..., num_ps=K), or stratagem ps) and set "
-                         "STRATAGEM_PS_ADDRS=host:port,... or pass ps_addresses=[...]")
-    return addresses
