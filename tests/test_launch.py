@@ -210,3 +210,20 @@ def test_launch_with_real_ps_shards() -> None:
     (out,) = launch(_ps_env, nprocs=1, num_ps=2, timeout=50)
     num, addrs = out.split("|")
     assert num == "2" and len(addrs.split(",")) == 2
+
+
+@pytest.mark.timeout(60)
+def test_shards_stop_when_the_launcher_is_sigkilled() -> None:
+    import subprocess
+
+    code = ("from stratagem.launcher import start_ps_shards\nimport time\n"
+            "sh = start_ps_shards(1)\nprint(sh.procs[0].pid, flush=True)\ntime.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    shard = int(launcher.stdout.readline())
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _alive(shard) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(shard), "the shard outlived its SIGKILLed launcher"

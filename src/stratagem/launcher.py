@@ -130,7 +130,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def ps_server_command(port_file: str, host: str = _MASTER_ADDR) -> list[str]:
     """The command that starts one parameter-server shard writing its port to ``port_file``."""
     return [sys.executable, "-m", "stratagem.ps.server", "--host", host, "--port", "0",
-            "--port-file", port_file]
+            "--port-file", port_file, "--parent-pid", str(os.getpid())]
 
 
 class PSShards:

@@ -629,7 +629,8 @@ def start_local_shards(num_shards: int, **kwargs: Any) -> tuple[list[ShardServer
 
 
 def serve(host: str = "127.0.0.1", port: int = 0, *, port_file: str | os.PathLike[str] | None
-          = None, grace: float = 2.0, intra_op_threads: int | None = 1, **kwargs: Any) -> int:
+          = None, grace: float = 2.0, intra_op_threads: int | None = 1,
+          parent_pid: int | None = None, **kwargs: Any) -> int:
     """Run one shard until SIGTERM/SIGINT or a ``shutdown`` call; returns the bound port.
 
     With ``port_file`` the bound port is written there (atomically) once the shard listens,
@@ -664,9 +665,13 @@ def serve(host: str = "127.0.0.1", port: int = 0, *, port_file: str | os.PathLik
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        # Short waits so the main thread gets to run signal handlers promptly.
+        # Short waits so the main thread gets to run signal handlers promptly. With
+        # parent_pid (set by the launcher) the shard also stops when its launcher is gone, e.g.
+        # SIGKILLed: a shard must never outlive the job as an orphan.
         while not stop.is_set() and not server.wait(0.2):
-            pass
+            if parent_pid is not None and os.getppid() != parent_pid:
+                log.warning("launcher (pid %d) is gone; stopping the shard", parent_pid)
+                break
     finally:
         server.stop(grace)
         for sig, handler in previous.items():
@@ -686,13 +691,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--intra-op-threads", type=int, default=1,
                    help="torch intra-op threads per optimizer step (default 1: the shard "
                         "parallelises across requests; 0 keeps torch's default)")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="stop when this process (the launcher) is no longer our parent")
     args = p.parse_args(argv)
     if args.intra_op_threads < 0:
         p.error(f"--intra-op-threads must be >= 0, got {args.intra_op_threads}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     serve(args.host, args.port, port_file=args.port_file, tls_cert=args.tls_cert,
           tls_key=args.tls_key, max_message_bytes=args.max_message_bytes,
-          intra_op_threads=args.intra_op_threads or None)
+          intra_op_threads=args.intra_op_threads or None, parent_pid=args.parent_pid)
     return 0
 
 
