@@ -514,3 +514,30 @@ def test_sync_missing_peer_is_a_peer_timeout(shards, prefetch):
             opt.zero_grad()
     assert time.monotonic() - t0 < 1.5 + 2.0
     s.close()
+
+
+def test_sync_timeout_names_the_dead_worker(shards):
+    # Worker 1 pushes once and leaves (its heartbeat stops); worker 0's next version never
+    # arrives and the error names worker 1, not only the shards.
+    def job(comm):
+        s = ParameterServer(ps_addresses=shards, comm=comm, timeout=2.0, mode="sync",
+                            prefetch=False)
+        with s.scope():
+            model = make_model()
+            model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = make_data()
+        steps = 1 if comm.rank == 1 else 3
+        try:
+            for _ in range(steps):
+                s.backward(F.cross_entropy(model(x[:8]), y[:8]))
+                opt.step()
+                opt.zero_grad()
+        except sg.PeerTimeoutError as exc:
+            return exc.ranks, str(exc)
+        finally:
+            if comm.rank == 1:
+                comm.close()  # the worker is gone: no more heartbeats
+        return None
+
+    ranks, message = run_ranks(job, 2, heartbeat=True, comm_timeout=5.0, timeout=60)[0]
+    assert ranks == (1,) and "Worker rank(s) 1" in message and "replicas_to_aggregate" in message

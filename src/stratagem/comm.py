@@ -196,6 +196,14 @@ class Comm:
             ranks=tuple(culprits),
         )
 
+    def silent_peers(self) -> tuple[list[int], str]:
+        """Which peers look dead (heartbeat frozen for ~2.5 s) or stalled, and how; for errors
+        raised outside a collective (e.g. a parameter-server version that never arrives).
+        Takes ~2.5 s; ``([], ...)`` when nothing can be told."""
+        if self.world_size == 1:
+            return [], "no peers"
+        return self._find_culprits()
+
     def _read_beats(self) -> dict[int, tuple[int, int]] | None:
         if self.store is None:
             return None

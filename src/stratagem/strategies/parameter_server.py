@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..compression import COMPRESSIONS, ErrorFeedback
+from ..errors import PeerTimeoutError
 from ..ps import optim as ps_optim
 from ..ps.addresses import shard_addresses
 from ..strategy import Prepared, Strategy, StrategyOptimizer
@@ -474,11 +475,23 @@ class ParameterServer(Strategy):
         if self.mode == "sync" and targets:
             # A gradient that was dropped (a backup worker, late) does not make the version
             # advance by itself: wait for the version the others produce.
-            values, versions = st.table.wait_for(targets, fetch=fetch or [],
-                                                 timeout=self.timeout)
+            try:
+                values, versions = st.table.wait_for(targets, fetch=fetch or [],
+                                                     timeout=self.timeout)
+            except PeerTimeoutError as exc:
+                raise self._name_missing_workers(exc) from exc
         elif fetch:
             values, versions = st.table.fetch_async(fetch).result()
         return _Job(outcomes, values, versions)
+
+    def _name_missing_workers(self, exc: PeerTimeoutError) -> PeerTimeoutError:
+        """The shards only know that too few gradients arrived; the workers' heartbeats (when
+        they share a rendezvous store) tell which worker went silent."""
+        ranks, how = self.comm.silent_peers() if self.comm.store is not None else ([], "")
+        if not ranks:
+            return exc
+        return PeerTimeoutError(f"{exc}. Worker rank(s) {', '.join(map(str, ranks))} {how}.",
+                                ranks=tuple(ranks))
 
     def _install(self, st: _PSState) -> None:
         """Finish the push/fetch in flight and copy the fetched values into the model."""
