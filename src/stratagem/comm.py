@@ -256,13 +256,9 @@ class Comm:
         if self.world_size == 1 or not tensors:
             return
         for group in _by_dtype(tensors):
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self.all_reduce(flat, op)
-            offset = 0
-            for t in group:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
+            flat = self.all_reduce(flatten(group), op)
+            for t, v in zip(group, views(flat, group)):
+                t.copy_(v)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size == 1:
@@ -283,14 +279,10 @@ class Comm:
         if self.world_size == 1 or not tensors:
             return
         for group in _by_dtype(tensors):
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            self.broadcast(flat, src)
-            offset = 0
+            flat = self.broadcast(flatten(group), src)
             with torch.no_grad():
-                for t in group:
-                    n = t.numel()
-                    t.copy_(flat[offset:offset + n].view_as(t))
-                    offset += n
+                for t, v in zip(group, views(flat, group)):
+                    t.copy_(v)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Same-shape all-gather: returns one tensor per rank."""
@@ -321,6 +313,21 @@ class Comm:
         if self.world_size == 1:
             return
         self.all_reduce(torch.zeros(1))
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new contiguous 1-D buffer holding ``tensors`` one after the other (same dtype)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``tensors`` (the layout of :func:`flatten`)."""
+    out, offset = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[offset:offset + n].view(t.shape))
+        offset += n
+    return out
 
 
 def _destroy_default_group() -> None:

@@ -145,6 +145,7 @@ class PSClient:
         self.bytes_received = 0
         self.comm_seconds = 0.0
         self.num_calls = 0
+        self._stats_seen: tuple[int, int, float] = (0, 0, 0.0)
 
     @property
     def num_shards(self) -> int:
@@ -235,6 +236,14 @@ class PSClient:
         with self._stats_lock:
             return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                     "comm_seconds": self.comm_seconds, "calls": self.num_calls}
+
+    def stats_delta(self) -> tuple[int, int, float]:
+        """``(bytes_sent, bytes_received, comm_seconds)`` since the previous call: what a
+        strategy folds into its own counters (meant for the client's one owner)."""
+        with self._stats_lock:
+            now = (self.bytes_sent, self.bytes_received, self.comm_seconds)
+            seen, self._stats_seen = self._stats_seen, now
+        return now[0] - seen[0], now[1] - seen[1], now[2] - seen[2]
 
     def close(self) -> None:
         for ch in self._channels:

@@ -28,18 +28,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..comm import flatten as _flatten
+from ..comm import views as _views
 from ..ps.addresses import shard_addresses
 from ..strategy import Prepared, Strategy, StrategyOptimizer
 from .local_sgd import (
     _check_int,
     _dtype_groups,
-    _flatten,
     _gather_ranks,
     _load_rank,
     _load_step_state,
     _step_state,
     _synced_tensors,
-    _views,
 )
 
 if TYPE_CHECKING:
@@ -186,7 +186,6 @@ class ElasticAveraging(Strategy):
         # worker would shift its exchange schedule), so the skip decision is agreed.
         self._synchronous_step = mode == "sync"
         self._client: PSClient | None = None
-        self._ps_seen: tuple[float, float, float] = (0, 0, 0.0)
         self._exchanges = 0
 
     # ------------------------------------------------------------------ setup
@@ -253,12 +252,8 @@ class ElasticAveraging(Strategy):
 
     def _fold_ps_bytes(self) -> None:
         """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
-        assert self._client is not None
-        s = self._client.stats()
-        sent, received, seconds = self._ps_seen
-        self.comm.account(s["bytes_sent"] - sent, s["bytes_received"] - received,
-                          s["comm_seconds"] - seconds)
-        self._ps_seen = (s["bytes_sent"], s["bytes_received"], s["comm_seconds"])
+        if self._client is not None:
+            self.comm.account(*self._client.stats_delta())
 
     # ------------------------------------------------------------------ the step
     def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from ..comm import Comm
+from ..comm import flatten as _flatten
+from ..comm import views as _views
 from ..strategy import Prepared, Strategy
 
 __all__ = ["LocalSGD", "DiLoCo"]
@@ -71,31 +73,13 @@ def _dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new contiguous 1-D buffer holding ``tensors`` one after the other."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like ``tensors`` (the layout of :func:`_flatten`)."""
-    out, offset = [], 0
-    for t in tensors:
-        n = t.numel()
-        out.append(flat[offset:offset + n].view(t.shape))
-        offset += n
-    return out
-
-
 def _average_(comm: Comm, tensors: Sequence[torch.Tensor]) -> None:
     """Replace every tensor by its mean over the replicas: one all-reduce per dtype."""
     if comm.world_size == 1 or not tensors:
         return
     with torch.no_grad():
-        for idx in _dtype_groups(tensors):
-            group = [tensors[i] for i in idx]
-            flat = comm.all_reduce(_flatten(group)).div_(comm.world_size)
-            for t, v in zip(group, _views(flat, group), strict=True):
-                t.copy_(v)
+        comm.all_reduce_coalesced(tensors)
+        torch._foreach_div_(list(tensors), comm.world_size)
 
 
 def _mean_copy(comm: Comm, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

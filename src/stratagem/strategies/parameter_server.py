@@ -218,7 +218,6 @@ class ParameterServer(Strategy):
         self._synchronous_step = mode == "sync"
         self._client: PSClient | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._ps_seen: tuple[float, float, float] = (0, 0, 0.0)
         self._staleness: collections.Counter[int] = collections.Counter()
         self._dropped = 0
         self._pushes = 0
@@ -513,13 +512,8 @@ class ParameterServer(Strategy):
 
     def _fold_ps_bytes(self) -> None:
         """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
-        if self._client is None:
-            return
-        s = self._client.stats()
-        sent, received, seconds = self._ps_seen
-        self.comm.account(s["bytes_sent"] - sent, s["bytes_received"] - received,
-                          s["comm_seconds"] - seconds)
-        self._ps_seen = (s["bytes_sent"], s["bytes_received"], s["comm_seconds"])
+        if self._client is not None:
+            self.comm.account(*self._client.stats_delta())
 
     # ------------------------------------------------------------------ global model
     @property
