@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed)
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    # Prepend src without leaving an empty entry (which would put the cwd on sys.path).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
     work = Path(tempfile.mkdtemp(prefix="sg-kill-save-"))
     (work / "saver.py").write_text(SAVER)
     path = work / "ckpt"

@@ -45,7 +45,7 @@ from .errors import CheckpointError
 if TYPE_CHECKING:
     from .strategy import Strategy
 
-__all__ = ["save", "restore", "load_model_state", "load_pt", "read_safetensors",
+__all__ = ["save", "restore", "exists", "load_model_state", "load_pt", "read_safetensors",
            "FORMAT_VERSION", "MAX_HEADER_BYTES"]
 
 FORMAT_VERSION = 1
@@ -241,6 +241,12 @@ def _versions_dir(path: Path) -> Path:
     return path.parent / f".{path.name}.versions"
 
 
+def exists(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds (or once held, with versions left) a stratagem checkpoint."""
+    p = Path(os.fspath(path).rstrip("/") or ".")
+    return p.exists() or p.is_symlink() or _versions_dir(p).is_dir()
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -336,8 +342,9 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
                                   metadata={"format": "pt"})
             manifest["objects"][key] = {"kind": "module", "file": name}
             if prepared is not None:
+                # The local step counter keeps periodic schedules (averaging, elastic
+                # exchange, outer steps) in phase across a resume.
                 manifest["objects"][key]["local_steps"] = prepared.local_steps
-            if prepared is not None:
                 for k, v in strategy._strategy_state(prepared).items():
                     strategy_state[f"{key}/{k}"] = v.detach().cpu().contiguous()
         elif isinstance(obj, torch.optim.Optimizer):
@@ -411,8 +418,7 @@ def _commit(path: Path, files: dict[str, bytes], manifest: dict[str, Any], keep_
             raise CheckpointError(f"{path} exists and is not a stratagem checkpoint; refusing to "
                                   "replace it. Fix: choose another path or remove it.")
         os.replace(path, versions / f"{0:012d}-legacy-{uuid.uuid4().hex[:8]}")
-    step = manifest["extra"].get("step", manifest["steps"])
-    name = f"{int(step) if isinstance(step, (int, float)) else 0:012d}-{time.time_ns():020d}"
+    name = f"{manifest['step']:012d}-{time.time_ns():020d}"
     tmp = versions / f"tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
     manifest["files"] = {fname: _fsync_write(tmp / fname, data) for fname, data in files.items()}

@@ -354,7 +354,7 @@ def _ps(args: argparse.Namespace) -> int:
         print("stratagem ps: error: TLS needs both --tls-cert and --tls-key, got only "
               f"{'--tls-cert' if args.tls_cert else '--tls-key'}", file=sys.stderr)
         return 2
-    token = os.environ.get("STRATAGEM_PS_TOKEN") or None
+    token = None  # ShardServer reads STRATAGEM_PS_TOKEN itself when no token is given
     if args.token_file is not None:
         try:
             token = Path(args.token_file).read_text().strip()

@@ -251,6 +251,27 @@ class Comm:
         self.account(nbytes, nbytes, time.perf_counter() - t0)
         return tensor
 
+    def all_reduce_async(self, tensor: torch.Tensor, *, nbytes: float | None = None
+                         ) -> torch.futures.Future[torch.Tensor]:
+        """Start a sum all-reduce (dense or sparse) and return a future of the result, counting
+        it like every other collective (progress for the peer diagnosis, bytes and time on
+        completion). For DDP communication hooks, which must return a future. ``nbytes``
+        overrides the dense ring estimate (e.g. for a sparse tensor)."""
+        assert self.group is not None
+        if nbytes is None:
+            nbytes = self.allreduce_bytes(tensor.numel() * tensor.element_size())
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        t0 = time.perf_counter()
+        self.num_collectives += 1
+        fut = self.group.allreduce([tensor], opts).get_future()
+
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            self.account(nbytes, nbytes, time.perf_counter() - t0)
+            return f.value()[0]  # type: ignore[no-any-return]
+
+        return fut.then(done)
+
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op: str = "sum") -> None:
         """All-reduce many tensors in place with one collective per dtype/device."""
         if self.world_size == 1 or not tensors:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from .checkpoint import exists as checkpoint_exists
 from .errors import CheckpointError
 from .strategy import StrategyOptimizer
 
@@ -521,8 +522,7 @@ def _checkpoint_exists(strategy: Strategy, path: str) -> bool:
     """Whether to resume, decided by the chief (which writes the checkpoints) for all."""
     found = 0
     if strategy.is_chief:
-        p = Path(path)
-        found = int(os.path.lexists(p) or (p.parent / f".{p.name}.versions").is_dir())
+        found = int(checkpoint_exists(path))
     return bool(strategy.reduce("max", found))
 
 

@@ -97,8 +97,7 @@ class Precision:
             try:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
             except RuntimeError:  # a dtype the fused kernel does not take
-                if self.uses_scaler:
-                    torch._foreach_mul_(group, 1.0 / self.scale)
+                torch._foreach_mul_(group, 1.0 / self.scale)
                 flag.fill_(0.0 if all(bool(torch.isfinite(g).all()) for g in group) else 1.0)
             found = found or bool(flag.item() > 0)
         return found

@@ -314,6 +314,10 @@ class Strategy:
         drift apart (elastic averaging, parameter servers) return the consensus model."""
         return model
 
+    def _flush_counters(self) -> None:
+        """Fold traffic counted outside ``comm`` (parameter-server clients) into it, before
+        ``metrics()`` reads it."""
+
     def _extra_metrics(self) -> dict[str, Any]:
         return {}
 
@@ -480,6 +484,7 @@ class Strategy:
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, Any]:
         """Counters for this replica."""
+        self._flush_counters()
         m: dict[str, Any] = {
             "steps": self._steps,
             "bytes_sent": self.comm.bytes_sent,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 __all__ = ["OPTIMIZERS", "optimizer_spec", "validate_spec", "build_optimizer",
-           "supports_sparse", "hyperparameters"]
+           "supports_sparse"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -111,9 +111,3 @@ def supports_sparse(spec: Mapping[str, Any]) -> bool:
     if name == "sgd":
         return not (spec.get("momentum", 0) or 0) and not wd and not spec.get("maximize")
     return name == "adagrad" and not wd and not spec.get("maximize")
-
-
-def hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The JSON-able hyperparameters of a shard optimizer's single group."""
-    allowed = _allowed(type(optimizer))
-    return {k: _jsonable(k, v) for k, v in optimizer.param_groups[0].items() if k in allowed}

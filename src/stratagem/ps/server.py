@@ -268,8 +268,10 @@ class ShardServer:
     def _snapshot(self, slots: Sequence[_Slot], op: str = "values",
                   fields: dict[str, Any] | None = None) -> bytes:
         """Encode the values of ``slots`` as one consistent snapshot."""
-        ordered = sorted(set(s.name for s in slots))  # fixed lock order: no deadlock
-        locks = [self._slots[n].lock for n in ordered]
+        # The given slots' own locks (a slot replaced by set_state meanwhile keeps its lock), in
+        # a fixed order: no deadlock.
+        unique = sorted({id(s): s for s in slots}.values(), key=lambda s: s.name)
+        locks = [s.lock for s in unique]
         for lk in locks:
             lk.acquire()
         try:
@@ -354,7 +356,8 @@ class ShardServer:
                 slot.acc_count += 1
                 status = "accumulated"
                 if slot.acc_count >= slot.replicas_to_aggregate:
-                    self._apply(slot, (slot.acc / slot.acc_count).to(slot.value.dtype))
+                    # In place: the accumulator is discarded by bump() right after.
+                    self._apply(slot, slot.acc.div_(slot.acc_count).to(slot.value.dtype))
                     slot.bump()
                     status = "applied"
             version = slot.version

@@ -37,8 +37,6 @@ from .local_sgd import (
     _dtype_groups,
     _gather_ranks,
     _load_rank,
-    _load_step_state,
-    _step_state,
     _synced_tensors,
 )
 
@@ -250,6 +248,9 @@ class ElasticAveraging(Strategy):
         """The synchronised tensors under their names on the shards."""
         return {k: t.detach() for k, t in zip(st.keys, st.tensors, strict=True)}
 
+    def _flush_counters(self) -> None:
+        self._fold_ps_bytes()
+
     def _fold_ps_bytes(self) -> None:
         """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
         if self._client is not None:
@@ -416,7 +417,7 @@ class ElasticAveraging(Strategy):
 
     def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         st: _ElasticState = prepared.state["easgd"]
-        out = {**_gather_ranks(self.comm, st.names, st.tensors, "local"), **_step_state(prepared)}
+        out = _gather_ranks(self.comm, st.names, st.tensors, "local")
         if st.momentum:
             names = [n for n, p in prepared.module.named_parameters() if id(p) in st.momentum]
             bufs = [st.momentum[id(p)] for p in prepared.module.parameters()
@@ -428,7 +429,6 @@ class ElasticAveraging(Strategy):
         st: _ElasticState = prepared.state["easgd"]
         rank, world = self.replica_id, self.num_replicas_in_sync
         _load_rank(state, "local", rank, world, st.names, st.tensors)
-        _load_step_state(prepared, state)
         if st.momentum:
             named = [(n, p) for n, p in prepared.module.named_parameters()
                      if id(p) in st.momentum]

@@ -121,17 +121,6 @@ def _load_rank(state: dict[str, torch.Tensor], prefix: str, rank: int, world_siz
     return True
 
 
-def _step_state(prepared: Prepared) -> dict[str, torch.Tensor]:
-    """The local step counter: the sync schedule (``local_step % period``) resumes in phase."""
-    return {"local_steps": torch.tensor([prepared.local_steps], dtype=torch.int64)}
-
-
-def _load_step_state(prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
-    saved = state.get("local_steps")
-    if saved is not None and saved.numel() == 1:
-        prepared.local_steps = int(saved.item())
-
-
 # ---------------------------------------------------------------------- LocalSGD
 class LocalSGD(Strategy):
     """Local SGD / periodic model averaging (Lin et al. 2020).
@@ -186,12 +175,11 @@ class LocalSGD(Strategy):
 
     def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         names, tensors = self._tensors(prepared)
-        return {**_gather_ranks(self.comm, names, tensors, "local"), **_step_state(prepared)}
+        return {**_gather_ranks(self.comm, names, tensors, "local")}
 
     def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         names, tensors = self._tensors(prepared)
         _load_rank(state, "local", self.replica_id, self.num_replicas_in_sync, names, tensors)
-        _load_step_state(prepared, state)
 
     def _extra_metrics(self) -> dict[str, Any]:
         return {"averages": self._averages}
@@ -364,7 +352,7 @@ class DiLoCo(Strategy):
 
     def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         st: _DiLoCoState = prepared.state["diloco"]
-        out = {**_gather_ranks(self.comm, st.names, st.params, "local"), **_step_state(prepared)}
+        out = _gather_ranks(self.comm, st.names, st.params, "local")
         if st.momentum is not None:
             out.update({f"outer_momentum/{n}": m
                         for n, m in zip(st.names, st.momentum, strict=True)})
@@ -380,7 +368,6 @@ class DiLoCo(Strategy):
                         m.copy_(saved)
         _load_rank(state, "local", self.replica_id, self.num_replicas_in_sync, st.names,
                    st.params)
-        _load_step_state(prepared, state)
 
     def _extra_metrics(self) -> dict[str, Any]:
         return {"outer_steps": self._outer_steps}

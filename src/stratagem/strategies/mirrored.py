@@ -30,7 +30,6 @@ Three communication paths, chosen once in ``prepare``:
 
 # No "from __future__ import annotations": DDP checks the comm hook's annotations at run time.
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,22 +79,14 @@ def _allreduce_hook(state: _HookState,
         send, _ = state.feedback.compress(key, buf, scale=state.scale_fn())
     else:
         send, _ = compress(buf, state.kind)
-    nbytes = comm.allreduce_bytes(send.numel() * send.element_size())
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-    t0 = time.perf_counter()
-    assert comm.group is not None
-    fut = comm.group.allreduce([send], opts).get_future()
+    if send is buf:
+        return comm.all_reduce_async(buf)
 
-    def done(f: torch.futures.Future[Any]) -> torch.Tensor:
-        comm.account(nbytes, nbytes, time.perf_counter() - t0)
-        out = f.value()[0]
-        if out.dtype != buf.dtype:
-            buf.copy_(out)
-            return buf
-        return out
+    def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        buf.copy_(f.value())
+        return buf
 
-    return fut.then(done)
+    return comm.all_reduce_async(send).then(decompress)
 
 
 def _sparse_allreduce(comm: Comm, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -110,18 +101,7 @@ def _sparse_allreduce(comm: Comm, grad: torch.Tensor) -> torch.futures.Future[to
     local = local / world
     indices, values = local._indices(), local._values()
     payload = indices.numel() * indices.element_size() + values.numel() * values.element_size()
-    nbytes = (world - 1) * payload
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-    t0 = time.perf_counter()
-    assert comm.group is not None
-    fut = comm.group.allreduce([local], opts).get_future()
-
-    def done(f: torch.futures.Future[Any]) -> torch.Tensor:
-        comm.account(nbytes, nbytes, time.perf_counter() - t0)
-        return f.value()[0]  # type: ignore[no-any-return]
-
-    return fut.then(done)
+    return comm.all_reduce_async(local, nbytes=(world - 1) * payload)
 
 
 def _has_sparse_gradients(module: nn.Module) -> bool:
@@ -214,8 +194,14 @@ class Mirrored(Strategy):
         def count(module: nn.Module, _args: Any) -> None:
             if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
                 comm.account(nbytes, nbytes)
+                comm.num_collectives += 1  # progress for the peer diagnosis
 
         ddp.register_forward_pre_hook(count)
+
+    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        super()._load_model(prepared, state)
+        for feedback in self._feedback:
+            feedback.reset()  # residuals of the pre-restore trajectory do not apply
 
     def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
         if isinstance(prepared.model, DDP):

@@ -510,6 +510,9 @@ class ParameterServer(Strategy):
         st.base.update(job.versions)
         self._fold_ps_bytes()
 
+    def _flush_counters(self) -> None:
+        self._fold_ps_bytes()
+
     def _fold_ps_bytes(self) -> None:
         """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
         if self._client is not None:
@@ -569,6 +572,8 @@ class ParameterServer(Strategy):
     def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         st: _PSState = prepared.state["ps"]
         self._install(st)
+        if self._feedback is not None:
+            self._feedback.reset()  # residuals of the pre-restore trajectory do not apply
         prepared.module.load_state_dict(state)
         if self.is_chief and st.by_key:
             current = st.table.get_state()
@@ -653,7 +658,6 @@ class ParameterServer(Strategy):
 
     # ------------------------------------------------------------------ misc
     def _extra_metrics(self) -> dict[str, Any]:
-        self._fold_ps_bytes()
         out: dict[str, Any] = {
             "staleness": dict(sorted(self._staleness.items())),
             "dropped_gradients": self._dropped,
