@@ -14,20 +14,28 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: this torch module evaluates
+# ``group.WORLD`` in the default arguments of its functions at import time, so importing it
+# (DDP does, lazily) after ``init_process_group`` pins the default group in ten default
+# arguments forever. A pinned group can never be destroyed before interpreter exit, and a
+# gloo group that outlives the interpreter aborts the process (see ``release_all``).
+import torch.distributed.nn.functional  # noqa: F401  isort: skip
+
 from .errors import PeerTimeoutError
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "release_all", "live_backend_threads"]
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -40,13 +48,47 @@ _HEARTBEAT_SECONDS = 1.0
 
 
 _LIVE_HEARTBEATS: weakref.WeakSet[_Heartbeat] = weakref.WeakSet()
+#: Every Comm not yet closed (``release_all`` closes them at interpreter exit).
+_LIVE_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
+#: True while the default process group is one that ``Comm.from_env`` created.
+_OWNS_DEFAULT_GROUP = False
+#: Names Linux gives the threads of a gloo process group (see ``live_backend_threads``).
+_GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def live_backend_threads() -> list[str]:
+    """Names of this process's live gloo threads (from ``/proc/self/task``; empty where
+    that is unavailable). Empty after :func:`release_all`: what tests assert."""
+    names: list[str] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+                if name in _GLOO_THREAD_NAMES:
+                    names.append(name)
+    return names
 
 
 @atexit.register
-def _stop_heartbeats() -> None:
-    # atexit runs before finalization freezes daemon threads (see _Heartbeat.stop).
+def release_all() -> None:
+    """Close every live :class:`Comm` and destroy the default process group stratagem created,
+    so no backend thread outlives the interpreter. Runs at interpreter exit (``atexit``, i.e.
+    before finalization) and in ``sg.launch`` workers after ``fn`` returns; idempotent.
+
+    Why: a gloo worker thread releases a collective's tensors *after* marking it complete,
+    and since torch 2.10 dropping a C++ reference to a tensor that has a Python object takes
+    the GIL. If the main thread has meanwhile entered interpreter finalization, CPython ends
+    that thread with ``pthread_exit``; the forced unwind meets a ``noexcept`` destructor and
+    the process aborts ("terminate called without an active exception", SIGABRT) after its
+    work is done. Destroying the group here joins those threads while the interpreter is
+    still whole (torch releases the GIL in the group's destructor, so a thread waiting for it
+    finishes first).
+    """
+    for comm in list(_LIVE_COMMS):
+        comm.close()
     for beat in list(_LIVE_HEARTBEATS):
         beat.stop()
+    _destroy_default_group()
 
 
 class _Heartbeat:
@@ -115,6 +157,10 @@ class Comm:
             if heartbeat and store is not None and world_size > 1
             else None
         )
+        self._on_close: list[Callable[[], None]] = []
+        self._closed = False
+        if group is not None:
+            _LIVE_COMMS.add(self)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -154,17 +200,37 @@ class Comm:
             backend, store=dist.PrefixStore("default_pg", store), rank=rank,
             world_size=world_size, timeout=timedelta(seconds=timeout),
         )
-        # Tear the group down before static destructors run: left to them, gloo's threads can
-        # be destroyed while joinable and the process aborts at exit ("terminate called
-        # without an active exception").
-        atexit.register(_destroy_default_group)
+        global _OWNS_DEFAULT_GROUP
+        _OWNS_DEFAULT_GROUP = True  # destroyed by the last Comm's close, or by release_all
         group = dist.distributed_c10d._get_default_group()
         return cls(group, rank, world_size, store=store, timeout=timeout)
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` first thing in :meth:`close`: for objects holding this Comm's
+        process group (a DDP wrapper, a pending work handle), which must let go of it before
+        the group can be destroyed."""
+        self._on_close.append(callback)
+
     def close(self) -> None:
+        """Stop the heartbeat and let go of the process group; the last Comm on a default
+        group that ``from_env`` created destroys it, joining its threads. Idempotent. The
+        Comm cannot run collectives afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        group, self.group = self.group, None
+        _LIVE_COMMS.discard(self)
+        if group is not None and _OWNS_DEFAULT_GROUP and dist.is_initialized() \
+                and group is dist.distributed_c10d._get_default_group() \
+                and not any(c.group is group for c in _LIVE_COMMS):
+            del group
+            _destroy_default_group()
 
     # ------------------------------------------------------------------ accounting
     def account(self, sent: float, received: float, seconds: float = 0.0) -> None:
@@ -174,6 +240,14 @@ class Comm:
 
     def allreduce_bytes(self, nbytes: int) -> float:
         return 2.0 * (self.world_size - 1) / self.world_size * nbytes
+
+    def _live_group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            raise RuntimeError(
+                f"this Comm (rank {self.rank} of {self.world_size}) is closed: its process "
+                "group was released by close() (strategy.close() or interpreter exit). Fix: "
+                "build a new strategy instead of reusing a closed one")
+        return self.group
 
     # ------------------------------------------------------------------ failures
     def _wait(self, work: Any, what: str) -> None:
@@ -241,12 +315,13 @@ class Comm:
         """In-place all-reduce of a contiguous tensor; ``op`` in sum/max/min/product."""
         if self.world_size == 1:
             return tensor
-        assert self.group is not None and tensor.is_contiguous()
+        group = self._live_group()
+        assert tensor.is_contiguous()
         opts = dist.AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS[op]  # type: ignore[assignment]
         t0 = time.perf_counter()
         self.num_collectives += 1
-        self._wait(self.group.allreduce([tensor], opts), f"all_reduce({op})")
+        self._wait(group.allreduce([tensor], opts), f"all_reduce({op})")
         nbytes = self.allreduce_bytes(tensor.numel() * tensor.element_size())
         self.account(nbytes, nbytes, time.perf_counter() - t0)
         return tensor
@@ -257,14 +332,14 @@ class Comm:
         it like every other collective (progress for the peer diagnosis, bytes and time on
         completion). For DDP communication hooks, which must return a future. ``nbytes``
         overrides the dense ring estimate (e.g. for a sparse tensor)."""
-        assert self.group is not None
+        group = self._live_group()
         if nbytes is None:
             nbytes = self.allreduce_bytes(tensor.numel() * tensor.element_size())
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         t0 = time.perf_counter()
         self.num_collectives += 1
-        fut = self.group.allreduce([tensor], opts).get_future()
+        fut = group.allreduce([tensor], opts).get_future()
 
         def done(f: torch.futures.Future[Any]) -> torch.Tensor:
             self.account(nbytes, nbytes, time.perf_counter() - t0)
@@ -284,13 +359,14 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
-        assert self.group is not None and tensor.is_contiguous()
+        group = self._live_group()
+        assert tensor.is_contiguous()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         t0 = time.perf_counter()
         self.num_collectives += 1
-        self._wait(self.group.broadcast([tensor], opts), "broadcast")
+        self._wait(group.broadcast([tensor], opts), "broadcast")
         nbytes = tensor.numel() * tensor.element_size()
         self.account(nbytes if self.rank == src else 0, 0 if self.rank == src else nbytes,
                      time.perf_counter() - t0)
@@ -309,12 +385,12 @@ class Comm:
         """Same-shape all-gather: returns one tensor per rank."""
         if self.world_size == 1:
             return [tensor]
-        assert self.group is not None
+        group = self._live_group()
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         t0 = time.perf_counter()
         self.num_collectives += 1
-        self._wait(self.group.allgather([out], [tensor]), "all_gather")
+        self._wait(group.allgather([out], [tensor]), "all_gather")
         nbytes = (self.world_size - 1) * tensor.numel() * tensor.element_size()
         self.account(nbytes, nbytes, time.perf_counter() - t0)
         return out
@@ -352,9 +428,17 @@ def views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Ten
 
 
 def _destroy_default_group() -> None:
+    """Destroy the default group if ``from_env`` created it, then collect garbage so the last
+    Python reference goes now (torch's wrapper releases the GIL while the group's destructor
+    joins its threads)."""
+    global _OWNS_DEFAULT_GROUP
+    if not _OWNS_DEFAULT_GROUP:
+        return
+    _OWNS_DEFAULT_GROUP = False
     with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
+    gc.collect()
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -270,10 +270,13 @@ def _worker_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
 
 
 def _teardown_distributed() -> None:
-    """Destroy torch.distributed's default group before the interpreter exits: left to static
-    destructors, gloo's threads can be torn down while still joinable and the worker aborts
-    with 'terminate called without an active exception' (seen about every other run of
-    benchmarks/compression.py after the result was already sent)."""
+    """Release the process groups before the interpreter exits (see
+    :func:`stratagem.comm.release_all` for why a gloo group left to interpreter finalization
+    aborts the worker after its work is done)."""
+    comm_mod = sys.modules.get("stratagem.comm")
+    if comm_mod is not None:
+        comm_mod.release_all()
+        return
     dist_mod = sys.modules.get("torch.distributed")
     if dist_mod is None:
         return

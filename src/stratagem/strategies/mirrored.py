@@ -30,8 +30,9 @@ Three communication paths, chosen once in ``prepare``:
 
 # No "from __future__ import annotations": DDP checks the comm hook's annotations at run time.
 
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,28 @@ def _has_sparse_gradients(module: nn.Module) -> bool:
                for m in module.modules())
 
 
+class _Released:
+    """Stands in for a closed DDP wrapper's reducer: using the wrapper after
+    ``strategy.close()`` says so instead of failing somewhere inside DDP."""
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise RuntimeError(
+            "this DistributedDataParallel model belongs to a closed Mirrored strategy (its "
+            "process group was released by strategy.close() or at exit). Fix: evaluate "
+            "strategy.eval_model(model) / strategy.unwrap(model), or build a new strategy "
+            "and prepare the model again")
+
+
+def _release_wrappers(wrappers: "weakref.WeakSet[DDP]") -> None:
+    """Let DDP wrappers go of the process group (their C++ reducer holds it), so closing the
+    Comm can destroy the group and join its threads."""
+    for ddp in list(wrappers):
+        ddp.__dict__["reducer"] = _Released()
+        ddp.__dict__["logger"] = _Released()
+        ddp.__dict__["process_group"] = None
+    wrappers.clear()
+
+
 class Mirrored(Strategy):
     """Synchronous all-reduce data parallelism (one replica per process).
 
@@ -146,6 +169,9 @@ class Mirrored(Strategy):
         self.error_feedback = bool(error_feedback)
         self.find_unused_parameters = find_unused_parameters
         self._feedback: list[ErrorFeedback] = []
+        self._wrappers: weakref.WeakSet[DDP] = weakref.WeakSet()
+        wrappers = self._wrappers  # the callback must not keep the strategy alive
+        self.comm.on_close(lambda: _release_wrappers(wrappers))
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         if self.num_replicas_in_sync == 1:
@@ -157,6 +183,7 @@ class Mirrored(Strategy):
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
         )
+        self._wrappers.add(ddp)
         # The built-in path needs every reduced parameter to get a gradient in every
         # backward (true unless find_unused_parameters) for the one-parameter byte counter,
         # and dense gradients (a sparse payload depends on the rows touched).

@@ -1,0 +1,116 @@
+"""Issue 10: every run exits cleanly. The abort at exit came from gloo threads outliving the
+interpreter (see ``stratagem.comm.release_all``); these tests check the mechanism that
+prevents it — no gloo thread is left when finalization starts, whether the script calls
+``strategy.close()`` or simply returns — rather than counting rare aborts (that is
+``scripts/exit_soak.py``'s job)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import stratagem as sg
+from stratagem.comm import Comm, live_backend_threads
+
+SRC = str(Path(sg.__file__).resolve().parent.parent)
+
+# An atexit handler registered *before* stratagem is imported runs *after* stratagem's own
+# (atexit is last-in, first-out): what it sees is the state finalization starts from.
+EXIT_PROBE = """
+import atexit, json, os, sys
+def probe():
+    from stratagem.comm import live_backend_threads
+    import threading
+    line = {"rank": int(os.environ["RANK"]), "gloo_threads": live_backend_threads(),
+            "python_threads": sorted(t.name for t in threading.enumerate()
+                                     if t is not threading.main_thread())}
+    os.write(1, (json.dumps(line) + "\\n").encode())
+atexit.register(probe)
+
+import torch, torch.nn.functional as F
+import stratagem as sg
+strategy = sg.from_env()
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = strategy.prepare(model, opt)
+for _ in range(3):
+    strategy.backward(F.cross_entropy(model(torch.randn(4, 6)), torch.randint(0, 2, (4,))))
+    opt.step()
+    opt.zero_grad()
+strategy.reduce("mean", torch.ones(()))  # a collective right before the end
+if sys.argv[1] == "close":
+    strategy.close()
+"""
+
+
+def _train_and_close(name: str) -> dict[str, list[str]]:
+    strategy = sg.from_name(name, timeout=30)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = strategy.prepare(model, opt)
+    for _ in range(3):
+        strategy.backward(F.cross_entropy(model(torch.randn(4, 6)), torch.randint(0, 2, (4,))))
+        opt.step()
+        opt.zero_grad()
+    before = live_backend_threads()
+    strategy.close()
+    after = live_backend_threads()
+    error = ""
+    try:
+        model(torch.randn(2, 6))
+    except RuntimeError as e:
+        error = str(e)
+    return {"before": before, "after": after, "initialized": [str(dist.is_initialized())],
+            "error": [error]}
+
+
+@pytest.mark.parametrize("name", ["mirrored", "diloco"])
+def test_close_joins_the_process_group_threads(name: str) -> None:
+    results = sg.launch(_train_and_close, nprocs=2, args=(name,), timeout=90)
+    for r in results:
+        assert r["before"], "the job should have had gloo threads while training"
+        assert r["after"] == [], f"gloo threads left after strategy.close(): {r['after']}"
+        assert r["initialized"] == ["False"]
+    if name == "mirrored":
+        # Using the DDP wrapper of a closed strategy says what to do instead.
+        assert all("closed Mirrored strategy" in r["error"][0] for r in results)
+
+
+@pytest.mark.parametrize("ending", ["close", "exit"])
+def test_no_backend_thread_left_when_finalization_starts(tmp_path: Path, ending: str) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(EXIT_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "stratagem.cli", "run", "--nproc", "2", "--strategy", "mirrored",
+         str(script), ending], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(line["rank"] for line in lines) == [0, 1], proc.stdout + proc.stderr
+    for line in lines:
+        assert line["gloo_threads"] == [], line
+        assert not any(n.startswith("sg-heartbeat") for n in line["python_threads"]), line
+
+
+def test_a_closed_comm_refuses_collectives_with_a_clear_error() -> None:
+    def body(comm: Comm) -> str:
+        comm.all_reduce(torch.ones(2))
+        comm.close()
+        comm.close()  # idempotent
+        try:
+            comm.all_reduce(torch.ones(2))
+        except RuntimeError as e:
+            return str(e)
+        return ""
+
+    from stratagem.testing import run_ranks
+    for message in run_ranks(body, 2):
+        assert "is closed" in message and "build a new strategy" in message
