@@ -6,6 +6,7 @@ whose point is several processes run as subprocesses, bounded by a timeout.
 
 from __future__ import annotations
 
+import math
 import os
 import runpy
 import subprocess
@@ -13,6 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from stratagem.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -68,3 +72,64 @@ def test_rl_actor_learner_with_a_parameter_server():
     out = run_process([sys.executable, "examples/rl_actor_learner.py", "--actors", "1",
                        "--rounds", "3", "--episodes", "16", "--timeout", "30"])
     assert "learner: 3 updates" in out and "actor 1:" in out
+
+
+# ---------------------------------------------------------------------- examples/gpt.py
+def _gpt_example() -> dict:
+    """The example's functions (``runpy`` without ``__main__``: nothing runs)."""
+    return runpy.run_path(str(EXAMPLES / "gpt.py"), run_name="gpt_example")
+
+
+def _assert_plain_model_generates(ckpt: Path) -> None:
+    """The saved ``model.safetensors`` loads into a plain GPT built from the saved extras,
+    with the head re-tied to the embedding, and generates text."""
+    from safetensors.torch import load_model
+
+    from stratagem.checkpoint import read_extras
+    from stratagem.demo_lm import GPT, GPTConfig, decode, encode
+
+    plain = GPT(GPTConfig(**read_extras(ckpt)["model_args"]))
+    load_model(plain, str(ckpt / "model.safetensors"))
+    assert plain.head.weight is plain.tok_emb.weight
+    out = plain.generate(encode("The ").view(1, -1), 20,
+                         generator=torch.Generator().manual_seed(0))
+    text = decode(out[0])
+    assert text.startswith("The ") and len(text) == 24
+
+
+def test_gpt_one_process_then_resume(monkeypatch, capsys, tmp_path):
+    run_example("gpt.py", ["--tiny", "--max-iters", "4", "--out-dir", str(tmp_path)],
+                monkeypatch)
+    out = capsys.readouterr().out
+    assert "Mirrored on 1 worker(s)" in out and "from scratch" in out
+    final = [line for line in out.splitlines() if line.startswith("final (step 4)")]
+    assert final, out
+    val = float(final[0].split("val loss ")[1].split(";")[0])
+    assert math.isfinite(val) and val < math.log(96) + 0.5  # not worse than uniform by much
+    sample = out.split("--- sample (64 characters) ---\n")[1].split("\n---")[0]
+    assert sample.startswith("The ") and len(sample) == 4 + 64
+    _assert_plain_model_generates(tmp_path / "ckpt")
+    # Resume: the model shape comes from the extras, the loop continues at step 4.
+    run_example("gpt.py", ["--tiny", "--resume", "--max-iters", "6", "--n-embd", "48",
+                           "--out-dir", str(tmp_path)], monkeypatch)
+    out = capsys.readouterr().out
+    assert "resuming at step 4" in out and "final (step 6)" in out
+    assert "iter 5:" in out and "iter 4:" not in out
+
+
+@pytest.mark.parametrize("name,kwargs", [("mirrored", {}), ("diloco", {"period": 2}),
+                                         ("local_sgd", {"period": 2})])
+def test_gpt_two_thread_ranks(name, kwargs, tmp_path):
+    import stratagem as sg
+
+    main = _gpt_example()["main"]
+    argv = ["--tiny", "--global-accumulation-steps", "4", "--out-dir", str(tmp_path)]
+    results = run_ranks(lambda comm: main(argv, sg.from_name(name, comm=comm, **kwargs)), 2,
+                        timeout=90.0)
+    for r in results:
+        assert r["steps"] == 6
+        assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"])
+    assert results[0]["val_loss"] == results[1]["val_loss"]  # one consensus model, reduced
+    assert results[0]["sample"].startswith("The ") and len(results[0]["sample"]) == 4 + 64
+    assert results[1]["sample"] == ""  # only the chief samples
+    _assert_plain_model_generates(tmp_path / "ckpt")

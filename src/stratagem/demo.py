@@ -173,7 +173,19 @@ def _plot(rows: list[dict[str, Any]], path: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stratagem demo", description=__doc__)
+    task = argparse.ArgumentParser(add_help=False)
+    task.add_argument("--task", choices=["mnist", "lm"], default="mnist")
+    chosen, rest = task.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if chosen.task == "lm":
+        from .demo_lm import main as lm_main
+
+        return lm_main(rest)
+    argv = rest
+    parser = argparse.ArgumentParser(
+        prog="stratagem demo", description=(__doc__ or "") + "\n``stratagem demo --task lm``: a tiny "
+        "character-level GPT instead (time to a fixed validation loss; see stratagem.demo_lm).")
+    parser.add_argument("--task", choices=["mnist", "lm"], default="mnist",
+                        help="mnist (default): the MLP job; lm: the GPT job")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default="stratagem-demo",

@@ -1,0 +1,635 @@
+"""Time to a fixed validation loss for a character-level GPT on slow links, 4 workers.
+
+    python benchmarks/lm.py [--seeds 3] [--links lo,100mbit,20mbit] [--quick]
+
+The model and text of ``examples/gpt.py`` (``stratagem.demo_lm``: a GPT with the token
+embedding tied to the output head, trained on ~2 MB of English documentation shipped with
+Python), small enough for this 2-CPU machine: 2 layers, 4 heads, width 64, context 64
+characters. AdamW with decay/no-decay groups (betas 0.9/0.95, weight decay 0.1), learning
+rate 3e-3 after a 20-step linear warm-up, global batch 32 sequences (8 per worker), no
+dropout. Strategies: Mirrored (gradients all-reduced every step), LocalSGD (period 8),
+DiLoCo (period 16, outer Nesterov lr 0.7, momentum 0.9), EASGD (sync, period 4), parameter
+server sync and async (one shard). Same model, data order, seeds and target for all.
+
+The consensus model (``strategy.eval_model``) is scored on 64 fixed held-out windows
+(4,096 characters) every ``--eval-every`` steps; a run stops once the validation loss is at
+most ``--target`` (or after ``--max-steps``). Synchronous strategies (everything but
+``ps-async``): every worker calls ``eval_model`` (a collective for some strategies), worker 0
+scores it while the others wait for its stop/go decision, and that pause is excluded from the
+wall clock. ``ps-async``: an evaluator process next to the shard reads the global model each
+time the workers' mean step count crosses a multiple of ``--eval-every``; nobody pauses and
+the wall clock is the real one (as in ``benchmarks/convergence.py``).
+
+Links: ``lo`` (loopback) and shaped links (``100mbit``, ``20mbit``): every worker in its own
+network namespace behind a veth capped both ways with ``tc tbf`` (``benchmarks/netns.py``);
+the store and the shard sit on the bridge. Needs root; without it only ``lo`` runs.
+
+Writes ``benchmarks/results/lm.{json,md,png}``. Done-when target (issue 14): DiLoCo reaches
+the target loss in <= 0.3x Mirrored's wall time at 20 Mbit/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from convergence import (  # noqa: E402 - the shared process and store plumbing
+    _TAG,
+    _clean,
+    _fmt,
+    _interrupt,
+    _median,
+    _Progress,
+    _stop_all,
+    _store,
+)
+
+#: name -> (registry name, strategy arguments, needs a PS shard, synchronous)
+STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
+    "mirrored": ("mirrored", {}, False, True),
+    "local_sgd": ("local_sgd", {"period": 8}, False, True),
+    "diloco": ("diloco", {"period": 16, "outer_lr": 0.7, "outer_momentum": 0.9}, False, True),
+    "easgd": ("easgd", {"period": 4}, False, True),
+    "ps-sync": ("ps-sync", {}, True, True),
+    "ps-async": ("ps-async", {}, True, False),
+}
+QUICK_STRATEGIES = ["mirrored", "diloco"]
+MODEL = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0}
+LR, WARMUP, GLOBAL_BATCH, EVAL_WINDOWS = 3e-3, 20, 32, 64
+
+
+# =========================================================================== worker side
+
+
+def _data(seed: int) -> tuple[Any, Any, Any, Any]:
+    from stratagem.demo_lm import encode, load_corpus, split_corpus, windows
+
+    train, val = split_corpus(encode(load_corpus()))
+    X, Y = windows(train, MODEL["block_size"])
+    Xv, Yv = windows(val, MODEL["block_size"])
+    return X, Y, Xv[:EVAL_WINDOWS], Yv[:EVAL_WINDOWS]
+
+
+def _build(cfg: dict[str, Any], **strategy_kwargs: Any) -> tuple[Any, Any, Any]:
+    import torch
+
+    import stratagem as sg
+    from stratagem.demo_lm import GPT, GPTConfig, adamw_param_groups
+
+    strategy = sg.from_name(cfg["strategy"], timeout=float(cfg["timeout"]),
+                            **cfg["strategy_args"], **strategy_kwargs)
+    with strategy.scope():
+        torch.manual_seed(int(cfg["seed"]))
+        model = GPT(GPTConfig(**MODEL))
+        optimizer = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95))
+        model, optimizer = strategy.prepare(model, optimizer)
+    return strategy, model, optimizer
+
+
+def _val_loss(model: Any, Xv: Any, Yv: Any) -> float:
+    import torch
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        _, loss = model(Xv, Yv)
+    model.train(was_training)
+    return float(loss)
+
+
+def worker_main(cfg_path: str) -> int:
+    """One worker process (in its namespace on shaped links); writes a JSON result."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    import torch
+
+    from stratagem.demo_lm import lr_at
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = float(cfg["timeout"])
+    ctrl = _store(timeout)
+    strategy, model, optimizer = _build(cfg)
+    seed = int(cfg["seed"])
+    X, Y, Xv, Yv = _data(seed)
+    loader = strategy.distribute_dataset((X, Y), GLOBAL_BATCH, shuffle=True, seed=seed)
+    sync, every, target = bool(cfg["sync"]), int(cfg["eval_every"]), float(cfg["target"])
+    progress = None
+    parties = world
+    if not sync:
+        progress = _Progress(rank, timeout)
+        ctrl.set(f"{_TAG}step/{rank}", "0")
+        progress.start()
+        parties += 1  # the evaluator
+    ctrl.set(f"{_TAG}ready/{rank}", "1")
+    ctrl.wait([f"{_TAG}ready/{r}" for r in range(parties)], timedelta(seconds=timeout))
+    start = time.perf_counter()
+    paused = 0.0
+    curve: list[tuple[float, float, float]] = []
+    reached: tuple[float, float, float] | None = None
+
+    def evaluate(step: int) -> bool:
+        """Every worker calls eval_model (a collective for LocalSGD); worker 0 scores it."""
+        nonlocal paused, reached
+        t0 = time.perf_counter()
+        consensus = strategy.eval_model(model)
+        if rank == 0:
+            loss = _val_loss(consensus, Xv, Yv)
+            wall = t0 - start - paused
+            curve.append((wall, step, loss))
+            if reached is None and loss <= target:
+                reached = (wall, step, loss)
+            stop = reached is not None
+            ctrl.set(f"{_TAG}go/{step}", "stop" if stop else "go")
+        else:
+            stop = ctrl.get(f"{_TAG}go/{step}") == b"stop"
+        paused += time.perf_counter() - t0
+        return stop
+
+    step, stop, epoch = 0, False, 0
+    if sync:
+        stop = evaluate(0)
+    max_steps = int(cfg["max_steps"])
+    while not stop and step < max_steps:
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, lr=LR, min_lr=LR, warmup=WARMUP, total=max_steps)
+            _, loss = model(x, y)
+            strategy.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if progress is not None:
+                progress.step = step
+                stop = progress.stop.is_set()
+            elif step % every == 0 or step == max_steps:
+                stop = evaluate(step)
+            if stop or step >= max_steps:
+                break
+        epoch += 1
+    end_wall = time.perf_counter() - start - paused
+    metrics = strategy.metrics()
+    steps = max(1, int(metrics["steps"]))
+    result: dict[str, Any] = {
+        "rank": rank, "steps": int(metrics["steps"]), "wall_seconds": end_wall,
+        "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
+        "bytes_sent_per_step": metrics["bytes_sent"] / steps,
+        "comm_seconds": metrics["comm_seconds"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "num_parameters": strategy.unwrap(model).num_parameters(),
+    }
+    if sync and rank == 0:
+        result.update(curve=curve, final_val_loss=curve[-1][2],
+                      reached=None if reached is None else
+                      {"wall": reached[0], "step": reached[1], "val_loss": reached[2]})
+    Path(cfg["result_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+    if progress is not None:
+        progress.stop.set()
+        ctrl.set(f"{_TAG}step/{rank}", str(step))
+        ctrl.set(f"{_TAG}finished/{rank}", "1")
+    else:
+        ctrl.set(f"{_TAG}done/{rank}", "1")
+        ctrl.wait([f"{_TAG}done/{r}" for r in range(world)], timedelta(seconds=timeout))
+    strategy.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (gloo/gRPC destructors) once the result is out
+
+
+def evaluator_main(cfg_path: str) -> int:
+    """``ps-async``: score the global model each time the workers' mean step count crosses a
+    multiple of ``eval_every``; set the stop key at the target. Nobody waits for it."""
+    cfg = json.loads(Path(cfg_path).read_text())
+    import torch
+
+    import stratagem as sg
+
+    torch.set_num_threads(1)
+    world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
+    every, target = int(cfg["eval_every"]), float(cfg["target"])
+    store = _store(timeout)
+    _, _, Xv, Yv = _data(int(cfg["seed"]))
+    store.wait([f"{_TAG}ready/{r}" for r in range(world)], timedelta(seconds=timeout))
+    strategy, model, _ = _build(cfg, comm=sg.Comm.single())
+    store.set(f"{_TAG}ready/{world}", "1")
+    store.wait([f"{_TAG}ready/{r}" for r in range(world + 1)], timedelta(seconds=timeout))
+    start = time.perf_counter()
+    step_keys = [f"{_TAG}step/{r}" for r in range(world)]
+    finished = [f"{_TAG}finished/{r}" for r in range(world)]
+    curve: list[tuple[float, float, float]] = []
+    reached = None
+    next_at = 0.0
+    while True:
+        done = store.check(finished)
+        mean = sum(int(v) for v in store.multi_get(step_keys)) / world
+        if mean >= next_at or done:
+            wall = time.perf_counter() - start
+            loss = _val_loss(strategy.eval_model(model), Xv, Yv)
+            curve.append((wall, mean, loss))
+            next_at = (math.floor(mean / every) + 1) * every
+            if reached is None and loss <= target:
+                reached = {"wall": wall, "step": mean, "val_loss": loss}
+                store.set(f"{_TAG}stop", "1")
+                break
+        if done:
+            break
+        time.sleep(0.01)
+    Path(cfg["result_dir"], "evaluator.json").write_text(json.dumps(
+        {"curve": curve, "final_val_loss": curve[-1][2], "reached": reached}))
+    strategy.close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# =========================================================================== parent side
+
+
+def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace,
+             tmp: Path) -> dict[str, Any]:
+    """One job: ``args.workers`` worker processes (in namespaces on a shaped link), plus a
+    PS shard and an evaluator when the strategy needs them."""
+    from torch.distributed import TCPStore
+
+    from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
+
+    name, strategy_args, needs_ps, sync = STRATEGIES[key]
+    W = args.workers
+    host = "127.0.0.1" if topo is None else topo.host_ip
+    run_dir = tmp / f"{key}-{link}-s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
+           "eval_every": args.eval_every, "target": args.target, "max_steps": args.max_steps,
+           "timeout": args.timeout, "result_dir": str(run_dir)}
+    cfg_path = run_dir / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=args.timeout))
+    shards = None
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    t0 = time.perf_counter()
+    error = None
+    try:
+        if needs_ps:
+            shards = start_ps_shards(1, host=host)
+        script = [sys.executable, str(Path(__file__).resolve())]
+        for r in range(W if sync else W + 1):
+            env = dict(os.environ)
+            env.update(worker_env(rank=r, world_size=W, master_port=store.port,
+                                  master_addr=host,
+                                  ps_addrs=shards.addresses if shards else (), base={}))
+            env["OMP_NUM_THREADS"] = "1"
+            env["PYTHONPATH"] = child_pythonpath(env)
+            if r < W:
+                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(r)
+                argv = [*([] if topo is None else topo.exec_prefix(r)), *script, "--worker"]
+            else:
+                argv = [*script, "--evaluator"]
+            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + args.run_timeout
+        while any(p.poll() is None for p in procs):
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                error = f"timed out after {args.run_timeout:g} s"
+                break
+            time.sleep(0.1)
+        if error is None:
+            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if bad:
+                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+    finally:
+        _stop_all(procs)
+        for log in logs:
+            log.close()
+        if shards is not None:
+            shards.stop()
+        del store
+    job_seconds = time.perf_counter() - t0
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(W)
+             if (run_dir / f"rank{r}.json").exists()]
+    out: dict[str, Any] = {"strategy": key, "link": link, "seed": seed,
+                           "strategy_args": strategy_args, "job_seconds": job_seconds,
+                           "error": error}
+    evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
+    if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
+        texts = [(run_dir / f"rank{r}.log").read_text(errors="replace")
+                 for r in range(len(procs))]
+        out["error"] = error or "no result from worker 0 or the evaluator"
+        out["log_tail"] = texts[0][-3000:] + "".join(
+            f"\n--- rank {r}\n{t[-1500:]}" for r, t in enumerate(texts)
+            if r and ("Error" in t or "Traceback" in t))
+        return out
+    chief = {**ranks[0], **json.loads(evaluator.read_text())}
+    out.update({k: chief[k] for k in ("curve", "final_val_loss", "reached", "steps",
+                                       "wall_seconds", "bytes_per_step",
+                                       "bytes_sent_per_step", "comm_seconds",
+                                       "num_parameters")})
+    out["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
+    out["worker_steps"] = [r["steps"] for r in ranks]
+    return out
+
+
+# =========================================================================== summary
+
+
+def summarize(runs: list[dict[str, Any]], strategies: list[str], links: list[str]
+              ) -> list[dict[str, Any]]:
+    rows = []
+    for link in links:
+        base_wall: float | None = None
+        for key in sorted(strategies, key=lambda k: k != "mirrored"):  # the baseline first
+            rs = [r for r in runs if r["strategy"] == key and r["link"] == link]
+            ok = [r for r in rs if r.get("error") is None]
+            row: dict[str, Any] = {"strategy": key, "link": link, "runs": len(rs),
+                                   "errors": [r["error"] for r in rs if r.get("error")],
+                                   "reached": sum(1 for r in ok if r["reached"])}
+            row["median_steps"] = _median([r["reached"]["step"] if r["reached"] else math.inf
+                                           for r in ok])
+            row["median_wall"] = _median([r["reached"]["wall"] if r["reached"] else math.inf
+                                          for r in ok])
+            row["final_val_loss"] = _median([r["final_val_loss"] for r in ok])
+            row["bytes_per_step"] = _median([r["bytes_per_step"] for r in ok])
+            row["peak_rss_mb"] = _median([max(r["peak_rss_mb"]) for r in ok])
+            row["per_seed_wall"] = {r["seed"]: (r["reached"]["wall"] if r["reached"] else None)
+                                    for r in ok}
+            if key == "mirrored":
+                base_wall = row["median_wall"]
+            row["ratio"] = (row["median_wall"] / base_wall
+                            if base_wall and math.isfinite(base_wall) else math.nan)
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    target = meta["target"]
+    lines = [
+        f"# Time to validation loss {target} (character-level GPT, {meta['workers']} workers)",
+        "",
+        f"GPT {meta['model']} ({meta['num_parameters']:,} parameters, the token embedding "
+        f"tied to the head), AdamW (decay/no-decay groups) lr {LR} after {WARMUP} warm-up "
+        f"steps, global batch {GLOBAL_BATCH} sequences of {MODEL['block_size']} characters, "
+        "same seeds and data order for every strategy, text of `stratagem.demo_lm` (the "
+        "Python documentation shipped with the interpreter). The consensus model "
+        f"(`eval_model`) is scored on {EVAL_WINDOWS} held-out windows every "
+        f"{meta['eval_every']} steps; at most {meta['max_steps']} steps. Wall = training "
+        "wall-clock from a common start (start-up and evaluation pauses excluded; ps-async is "
+        "watched by a separate evaluator and its wall is real time). Medians over seeds "
+        f"0..N-1, N per link {meta['seeds_per_link']} (an unreached target counts as "
+        "infinite). Ratio = median wall / Mirrored's median wall on the same link. "
+        "Bytes/step = worker 0's bytes sent + received per step as counted by the strategy.",
+        "",
+        "Links: `lo` = loopback; `Nmbit` = each worker in its own network namespace, veth to "
+        "a bridge, `tc tbf rate N burst 64kb latency 100ms` both ways (no added delay). "
+        f"Machine: {meta['cpus']} CPUs shared with other jobs (load average at start "
+        f"{meta['loadavg_start']}).",
+        "",
+        f"Command: `{meta['command']}` ({meta['total_minutes']:.1f} min)",
+        "",
+        f"| strategy | link | reached | median steps to {target} | median wall s to {target} "
+        "| wall vs Mirrored | final val loss | bytes/step |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        failed = f" ({len(r['errors'])} failed)" if r["errors"] else ""
+        lines.append(
+            f"| {r['strategy']} | {r['link']} | {r['reached']}/{r['runs']}{failed} | "
+            f"{_fmt(r['median_steps'], '.0f')} | {_fmt(r['median_wall'], '.1f')} | "
+            f"{_fmt(r['ratio'], '.2f')} | {_fmt(r['final_val_loss'], '.3f')} | "
+            f"{_fmt(r['bytes_per_step'], ',.0f')} |")
+    notes = meta.get("notes", [])
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _auto_notes(rows: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    for r in rows:
+        if r["runs"] and r["reached"] < r["runs"]:
+            notes.append(f"{r['strategy']} on {r['link']}: reached the target in "
+                         f"{r['reached']} of {r['runs']} runs.")
+        notes += [f"{r['strategy']} on {r['link']}: a run failed: {e}" for e in r["errors"]]
+    for r in rows:
+        if r["strategy"] == "diloco" and r["link"] == "20mbit":
+            ok = math.isfinite(r.get("ratio", math.nan)) and r["ratio"] <= 0.3
+            notes.append(f"20mbit: DiLoCo reaches the target in {_fmt(r['ratio'], '.2f')}x "
+                         f"Mirrored's wall time (target <= 0.3x: {'met' if ok else 'NOT met'}).")
+    return notes
+
+
+def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], target: float,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5.0), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, link in zip(axes[0], links, strict=True):
+        for i, key in enumerate(strategies):
+            labelled = False
+            for r in runs:
+                if r["strategy"] != key or r["link"] != link or r.get("error") is not None:
+                    continue
+                points = [(w, loss) for w, _, loss in r["curve"] if w > 0]
+                if not points:
+                    continue
+                wall, loss = zip(*points, strict=True)
+                ax.plot(wall, loss, color=colors[i % len(colors)], lw=1.1, alpha=0.8,
+                        label=None if labelled else key)
+                labelled = True
+        ax.axhline(target, color="k", ls="--", lw=0.8)
+        ax.set_title(f"link: {link}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training wall-clock (s, log scale)")
+        ax.set_ylabel("validation loss of the consensus model (nats/char)")
+        ax.set_ylim(max(0.0, target - 0.4), target + 1.2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"char-level GPT, 4 workers: validation loss vs wall-clock, one line per seed "
+                 f"(dashed: the {target} target)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: list[str],
+                  out: Path) -> None:
+    rows = summarize(runs, strategies, meta["links"])
+    meta["notes"] = list(meta.get("base_notes", [])) + _auto_notes(rows)
+    table = markdown(rows, meta)
+    out.with_suffix(".md").write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(
+        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
+    if runs:
+        plot(runs, meta["links"], strategies, meta["target"], out.with_suffix(".png"))
+    print()
+    print(table)
+    print(f"wrote {out.with_suffix('.md')}, .json, .png")
+
+
+# =========================================================================== main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="3",
+                   help="number of seeds (0..N-1), or per link: lo=3,100mbit=3,20mbit=1")
+    p.add_argument("--links", default="lo,100mbit,20mbit",
+                   help="comma list: lo and/or tc rates such as 100mbit,20mbit")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"comma list from {', '.join(STRATEGIES)}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: 1 seed, lo + 20mbit, {', '.join(QUICK_STRATEGIES)}")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--target", type=float, default=2.5, help="validation loss to reach")
+    p.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps")
+    p.add_argument("--max-steps", type=int, default=1000, help="stop here if never reached")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
+    p.add_argument("--run-timeout", type=float, default=600.0, help="one job's time limit s")
+    p.add_argument("--out", default=str(RESULTS / "lm"),
+                   help="output path without extension (.json, .md, .png are written)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="only re-render the table and plot from an earlier run's JSON")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--evaluator", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = "1"
+        if args.links == p.get_default("links"):
+            args.links = "lo,20mbit"
+        if args.strategies == p.get_default("strategies"):
+            args.strategies = ",".join(QUICK_STRATEGIES)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if args.evaluator:
+        return evaluator_main(args.evaluator)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        write_results(data["meta"], data["runs"], list(data["meta"]["strategies"]),
+                      Path(args.out))
+        return 0
+    sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
+    from netns import NetnsUnavailable, Topology, check_netns
+
+    from stratagem.demo_lm import GPT, GPTConfig, load_corpus
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        print(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
+        return 2
+    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    try:
+        if "=" in args.seeds:
+            per_link = {k.strip(): int(v) for k, v in
+                        (item.split("=", 1) for item in args.seeds.split(","))}
+            missing_links = [link for link in links if link not in per_link]
+            if missing_links:
+                raise ValueError(f"no seed count for {missing_links}")
+        else:
+            per_link = dict.fromkeys(links, int(args.seeds))
+    except ValueError as e:
+        print(f"--seeds must be N or LINK=N,LINK=N covering every link, got {args.seeds!r} "
+              f"({e})", file=sys.stderr)
+        return 2
+    load_corpus()  # fail here with the explanation, not in every worker
+    notes: list[str] = []
+    shaped = [link for link in links if link != "lo"]
+    if shaped:
+        try:
+            if os.geteuid() != 0:
+                raise NetnsUnavailable("shaped links need root (ip netns, tc)")
+            check_netns()
+        except NetnsUnavailable as e:
+            print(f"cannot build shaped links ({e}); running loopback only", flush=True)
+            notes.append(f"shaped links {shaped} skipped: {e}")
+            links = [link for link in links if link == "lo"]
+            per_link = {k: v for k, v in per_link.items() if k == "lo"}
+    meta: dict[str, Any] = {
+        "command": "python benchmarks/lm.py " + " ".join(argv or sys.argv[1:]),
+        "workers": args.workers, "target": args.target, "eval_every": args.eval_every,
+        "max_steps": args.max_steps, "seeds_per_link": per_link, "links": links,
+        "strategies": {k: STRATEGIES[k][1] for k in strategies}, "cpus": os.cpu_count(),
+        "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "python": platform.python_version(), "model": MODEL,
+        "num_parameters": GPT(GPTConfig(**MODEL)).num_parameters(), "base_notes": notes,
+    }
+    runs: list[dict[str, Any]] = []
+    topo = Topology(args.workers) if shaped and any(link != "lo" for link in links) else None
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: namespaces removed
+    try:
+        with tempfile.TemporaryDirectory(prefix="sg-lm-") as tmpdir:
+            if topo is not None:
+                topo.up()
+            for link in links:
+                if link != "lo":
+                    assert topo is not None
+                    topo.shape(link)
+                for seed in range(per_link[link]):
+                    order = strategies[seed % len(strategies):] + strategies[:seed % len(strategies)]
+                    for key in order:
+                        r = run_once(key, link, seed, None if link == "lo" else topo, args,
+                                     Path(tmpdir))
+                        runs.append(r)
+                        _print_run(r, args.target)
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
+        notes.append("interrupted: partial results")
+    finally:
+        if topo is not None:
+            topo.down()
+    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
+    write_results(meta, runs, strategies, out)
+    return 0 if all(r.get("error") is None for r in runs) else 1
+
+
+def _print_run(r: dict[str, Any], target: float) -> None:
+    if r.get("error"):
+        print(f"{r['strategy']:10s} {r['link']:8s} seed {r['seed']}: FAILED {r['error']}\n"
+              f"{r.get('log_tail', '')}", flush=True)
+        return
+    hit = r["reached"]
+    what = (f"{target} at step {hit['step']:.0f} / {hit['wall']:.1f}s" if hit else
+            f"target not reached in {r['steps']} steps ({r['wall_seconds']:.1f}s)")
+    print(f"{r['strategy']:10s} {r['link']:8s} seed {r['seed']}: {what}; final val loss "
+          f"{r['final_val_loss']:.3f}, {r['bytes_per_step']:,.0f} B/step, "
+          f"job {r['job_seconds']:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
