@@ -88,7 +88,9 @@ def corpus_sources() -> list[tuple[str, str]]:
     not exist on this machine are left out."""
     out: list[tuple[str, str]] = []
     try:
-        from pydoc_data.topics import topics  # type: ignore[import-not-found,unused-ignore]
+        import pydoc_data.topics
+
+        topics: dict[str, str] = dict(pydoc_data.topics.topics)
     except ImportError:
         topics = {}
     if topics:
@@ -426,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
-    model = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0}
+    model: dict[str, Any] = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64,
+                             "dropout": 0.0}
     cfgs = [{"strategy": name, "strategy_args": sargs, "label": label, "model": model,
              "lr": 3e-3, "global_batch_size": 16 * args.workers, "target": args.target,
              "max_steps": args.max_steps, "eval_every": args.eval_every}
