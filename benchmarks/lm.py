@@ -71,20 +71,22 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "ps-async": ("ps-async", {}, True, False),
 }
 QUICK_STRATEGIES = ["mirrored", "diloco"]
-MODEL = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0}
-LR, WARMUP, GLOBAL_BATCH, EVAL_WINDOWS = 3e-3, 20, 32, 64
+MODEL = {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 128, "dropout": 0.0}
+LR, WARMUP, GLOBAL_BATCH, EVAL_CHARS = 3e-3, 20, 64, 4096
 
 
 # =========================================================================== worker side
 
 
-def _data(seed: int) -> tuple[Any, Any, Any, Any]:
+def _data(cfg: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """Training windows, and the fixed held-out windows (EVAL_CHARS characters) scored."""
     from stratagem.demo_lm import encode, load_corpus, split_corpus, windows
 
     train, val = split_corpus(encode(load_corpus()))
-    X, Y = windows(train, MODEL["block_size"])
-    Xv, Yv = windows(val, MODEL["block_size"])
-    return X, Y, Xv[:EVAL_WINDOWS], Yv[:EVAL_WINDOWS]
+    block = int(cfg["model"]["block_size"])
+    X, Y = windows(train, block)
+    Xv, Yv = windows(val, block)
+    return X, Y, Xv[:EVAL_CHARS // block], Yv[:EVAL_CHARS // block]
 
 
 def _build(cfg: dict[str, Any], **strategy_kwargs: Any) -> tuple[Any, Any, Any]:
@@ -97,8 +99,9 @@ def _build(cfg: dict[str, Any], **strategy_kwargs: Any) -> tuple[Any, Any, Any]:
                             **cfg["strategy_args"], **strategy_kwargs)
     with strategy.scope():
         torch.manual_seed(int(cfg["seed"]))
-        model = GPT(GPTConfig(**MODEL))
-        optimizer = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95))
+        model = GPT(GPTConfig(**cfg["model"]))
+        optimizer = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=float(cfg["lr"]),
+                                      betas=(0.9, 0.95))
         model, optimizer = strategy.prepare(model, optimizer)
     return strategy, model, optimizer
 
@@ -127,8 +130,9 @@ def worker_main(cfg_path: str) -> int:
     ctrl = _store(timeout)
     strategy, model, optimizer = _build(cfg)
     seed = int(cfg["seed"])
-    X, Y, Xv, Yv = _data(seed)
-    loader = strategy.distribute_dataset((X, Y), GLOBAL_BATCH, shuffle=True, seed=seed)
+    X, Y, Xv, Yv = _data(cfg)
+    loader = strategy.distribute_dataset((X, Y), int(cfg["global_batch"]), shuffle=True,
+                                         seed=seed)
     sync, every, target = bool(cfg["sync"]), int(cfg["eval_every"]), float(cfg["target"])
     progress = None
     parties = world
@@ -165,12 +169,12 @@ def worker_main(cfg_path: str) -> int:
     step, stop, epoch = 0, False, 0
     if sync:
         stop = evaluate(0)
-    max_steps = int(cfg["max_steps"])
+    max_steps, lr = int(cfg["max_steps"]), float(cfg["lr"])
     while not stop and step < max_steps:
         loader.set_epoch(epoch)
         for x, y in loader:
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, lr=LR, min_lr=LR, warmup=WARMUP, total=max_steps)
+                group["lr"] = lr_at(step, lr=lr, min_lr=lr, warmup=WARMUP, total=max_steps)
             _, loss = model(x, y)
             strategy.backward(loss)
             optimizer.step()
@@ -225,7 +229,7 @@ def evaluator_main(cfg_path: str) -> int:
     world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
     every, target = int(cfg["eval_every"]), float(cfg["target"])
     store = _store(timeout)
-    _, _, Xv, Yv = _data(int(cfg["seed"]))
+    _, _, Xv, Yv = _data(cfg)
     store.wait([f"{_TAG}ready/{r}" for r in range(world)], timedelta(seconds=timeout))
     strategy, model, _ = _build(cfg, comm=sg.Comm.single())
     store.set(f"{_TAG}ready/{world}", "1")
@@ -276,7 +280,8 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
            "eval_every": args.eval_every, "target": args.target, "max_steps": args.max_steps,
-           "timeout": args.timeout, "result_dir": str(run_dir)}
+           "timeout": args.timeout, "result_dir": str(run_dir), "model": MODEL, "lr": LR,
+           "global_batch": GLOBAL_BATCH}
     cfg_path = run_dir / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
     store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
@@ -393,7 +398,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"steps, global batch {GLOBAL_BATCH} sequences of {MODEL['block_size']} characters, "
         "same seeds and data order for every strategy, text of `stratagem.demo_lm` (the "
         "Python documentation shipped with the interpreter). The consensus model "
-        f"(`eval_model`) is scored on {EVAL_WINDOWS} held-out windows every "
+        f"(`eval_model`) is scored on {EVAL_CHARS:,} held-out characters every "
         f"{meta['eval_every']} steps; at most {meta['max_steps']} steps. Wall = training "
         "wall-clock from a common start (start-up and evaluation pauses excluded; ps-async is "
         "watched by a separate evaluator and its wall is real time). Medians over seeds "
