@@ -294,15 +294,17 @@ def test_fit_finalizes_so_the_final_model_includes_every_local_step():
 
 
 # ---------------------------------------------------------------------- torch.compile
-@pytest.mark.parametrize("name", ["one_device", "mirrored"])
+@pytest.mark.parametrize("name", ["one_device", "mirrored", "local_sgd", "diloco", "easgd"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_compiled_model_is_seen_through(name, precision, tmp_path):
     data = make_data()
     world = 1 if name == "one_device" else 2
+    replicated = name in ("one_device", "mirrored")
 
     def job(comm, compile_it: bool, path):
+        kw = {} if replicated else {"period": 2}
         s = sg.OneDevice(precision=precision) if world == 1 else \
-            sg.Mirrored(comm=comm, precision=precision)
+            sg.from_name(name, comm=comm, precision=precision, **kw)
         model = Net()
         given = torch.compile(model, backend="eager") if compile_it else model
         prepared, opt = s.prepare(given, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -311,15 +313,18 @@ def test_compiled_model_is_seen_through(name, precision, tmp_path):
         assert out.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
         s.save(path, model=prepared)
         assert s.unwrap(prepared) is model and s.unwrap(given) is model
-        assert s.eval_model(prepared) is model and s.eval_model(given) is model
+        ev = s.eval_model(prepared)
+        assert type(ev) is Net and s.eval_model(given) is ev
+        assert (ev is model) == replicated  # the periodic strategies return a consensus copy
+        assert all("_orig_mod" not in k for k in ev.state_dict())
         assert s.unwrap(torch.compile(Net(), backend="eager")).__class__ is Net
-        return _state(s.unwrap(prepared)), out.detach()
+        return _state(s.unwrap(prepared)), out.detach(), _state(ev)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dynamo's own warnings on CPU
         compiled = run_ranks(job, world, args=(True, tmp_path / "c"))
     plain = run_ranks(job, world, args=(False, tmp_path / "p"))
-    for (sc, oc), (sp, op) in zip(compiled, plain, strict=True):
+    for (sc, oc, _), (sp, op, _) in zip(compiled, plain, strict=True):
         assert all("_orig_mod" not in k for k in sc)
         assert_states_close(sc, sp, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(oc, op, atol=1e-2, rtol=1e-2)
@@ -327,4 +332,4 @@ def test_compiled_model_is_seen_through(name, precision, tmp_path):
     assert sorted(saved) == sorted(compiled[0][0])  # the module's own names
     fresh = Net()
     load_model(fresh, str(tmp_path / "c" / "model.safetensors"))
-    assert_states_close(_state(fresh), compiled[0][0], atol=0, rtol=0)
+    assert_states_close(_state(fresh), compiled[0][2], atol=0, rtol=0)  # the consensus
