@@ -312,6 +312,12 @@ def test_compiled_model_is_seen_through(name, precision, tmp_path):
         out = prepared(data[0][:8])
         assert out.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
         s.save(path, model=prepared)
+        consensus = _state(s.eval_model(prepared))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        s.restore(path, model=prepared)  # through the compiled wrapper, the module's names
+        assert_states_close(_state(s.eval_model(given)), consensus, atol=0, rtol=0)
         assert s.unwrap(prepared) is model and s.unwrap(given) is model
         ev = s.eval_model(prepared)
         assert type(ev) is Net and s.eval_model(given) is ev

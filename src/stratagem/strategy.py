@@ -1,12 +1,14 @@
 """The ``Strategy`` base: the training-loop contract every strategy fulfils.
 
 How a step flows: ``strategy.backward(loss)`` (divide by ``accumulation_steps``, scale for
-fp16) -> wrapped ``optimizer.step()`` -> ``Strategy._step`` (accumulation boundary, unscale
-and non-finite decision, agreed across replicas for synchronous strategies) ->
+fp16) -> [``clip_grad_norm_``: at the boundary, unscale + clip now; before it, a request] ->
+wrapped ``optimizer.step()`` -> ``Strategy._step`` (accumulation boundary, unscale, a pending
+clip, non-finite decision, agreed across replicas for synchronous strategies) ->
 ``_apply_update`` (the inner optimizer step, or a push/pull for parameter servers) ->
 ``_after_update`` (the strategy's synchronisation: nothing, an elastic exchange, an average,
-an outer step). Strategies override those hooks and nothing else; the core never asks which
-strategy it is running.
+an outer step). ``finalize`` (``_finalize``) is the last synchronisation of the periodic
+strategies; ``eval_model`` returns the consensus as a module of the user's class. Strategies
+override those hooks and nothing else; the core never asks which strategy it is running.
 """
 
 from __future__ import annotations
