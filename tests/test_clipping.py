@@ -320,3 +320,28 @@ def test_one_device_warns_under_a_multi_process_launcher(monkeypatch):
         sg.get_strategy()  # the implicit default strategy does not warn either
         monkeypatch.setenv("WORLD_SIZE", "1")
         sg.OneDevice()
+
+
+def test_clip_then_two_optimizers_at_one_boundary_unscale_once():
+    # One model split over two optimizers (a GAN-like or per-module setup): the clip unscales
+    # every gradient of the model once; neither step may unscale its share again.
+    X, Y = make_data()
+
+    def run(precision: str):
+        s = sg.OneDevice(precision=precision, init_scale=1024.0, accumulation_steps=2)
+        model = make_model()
+        first = torch.optim.SGD(model[0].parameters(), lr=LR)
+        second = torch.optim.SGD(model[2].parameters(), lr=LR)
+        model, first, second = s.prepare(model, first, second)
+        for step in range(4):
+            for micro in range(2):
+                start = (step * 2 + micro) * 16
+                s.backward(F.cross_entropy(model(X[start:start + 16]), Y[start:start + 16]))
+                s.clip_grad_norm_(model, MAX_NORM)
+                first.step()
+                second.step()
+                first.zero_grad()
+                second.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    assert_states_close(run("fp16"), run("fp32"), atol=1e-4, rtol=1e-4)

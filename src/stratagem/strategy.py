@@ -615,13 +615,18 @@ class Strategy:
         self._boundary_done = True
         prepared = opt._prepared
         params = [p for g in opt.param_groups for p in g["params"]]
-        nonfinite = self._unscale(params)
-        request = self._clip_requests.pop(id(prepared), None)
-        if request is not None:  # recorded on an earlier micro-batch: the boundary is now
-            self._clip_now(prepared, request)
-        nonfinite = self._clip_nonfinite.pop(id(prepared), False) or nonfinite
-        # Another optimizer stepping at this boundary unscales its own parameters.
-        self._unscaled.difference_update(id(p) for p in params)
+        if not self._unscaled and not self._clip_requests:
+            # No clipping at this boundary: no per-parameter bookkeeping on the hot path.
+            nonfinite = self.precision.unscale_and_check(
+                [p.grad for p in params if p.grad is not None])
+        else:
+            nonfinite = self._unscale(params)
+            request = self._clip_requests.pop(id(prepared), None)
+            if request is not None:  # recorded on an earlier micro-batch: the boundary is now
+                self._clip_now(prepared, request)
+            nonfinite = self._clip_nonfinite.pop(id(prepared), False) or nonfinite
+            # Another optimizer stepping at this boundary unscales its own parameters.
+            self._unscaled.difference_update(id(p) for p in params)
         checks_agree = self.precision.uses_scaler or self.precision.on_nonfinite == "skip"
         if self._synchronous_step and checks_agree and self.num_replicas_in_sync > 1:
             flag = torch.tensor([1.0 if nonfinite else 0.0])
