@@ -232,6 +232,26 @@ def test_compiled_model_saves_and_restores_under_its_own_names(tmp_path: Path,
     s.restore(tmp_path / "ck", model=plain)
 
 
+def test_model_compiled_after_prepare_saves_the_strategys_model(tmp_path: Path) -> None:
+    """``torch.compile(strategy.prepare(model))``: the compiled wrapper (around DDP under
+    Mirrored) is seen through, so the file holds the module's own names, once each."""
+
+    def job(comm: Comm) -> dict[str, torch.Tensor]:
+        s = sg.Mirrored(comm=comm)
+        with s.scope():
+            model = s.prepare(TiedLM(seed=2))
+        compiled = torch.compile(model, backend="eager")
+        s.save(tmp_path / "ck", model=compiled)
+        fresh = torch.compile(s.prepare(TiedLM(seed=8)), backend="eager")
+        s.restore(tmp_path / "ck", model=fresh)
+        return _state(s.unwrap(fresh._orig_mod))
+
+    restored = run_ranks(job, 2)
+    _check_file(tmp_path / "ck")
+    for state in restored:
+        torch.testing.assert_close(state, _state(TiedLM(seed=2)), atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------- read_extras
 def test_read_extras_before_any_model_exists(tmp_path: Path) -> None:
     s = sg.OneDevice()

@@ -892,11 +892,23 @@ def _fit_module(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: di
     return {keys[name]: t for name, t in filled.items()}
 
 
+def _prepared_of(strategy: Strategy, module: nn.Module) -> Any:
+    """The ``Prepared`` record of ``module``, seeing through ``torch.compile`` wrappers (a model
+    compiled after ``prepare`` still saves the strategy's consensus model, under its names)."""
+    for _ in range(8):
+        prepared = strategy._find_prepared(module)
+        inner = getattr(module, "_orig_mod", None)
+        if prepared is not None or not isinstance(inner, nn.Module):
+            return prepared
+        module = inner
+    return None
+
+
 def _load_into(strategy: Strategy, module: nn.Module, tensors: dict[str, torch.Tensor],
                aliases: dict[str, str], what: str) -> Any:
     """Load into a prepared model (every replica, collective) or a plain module; returns the
     ``Prepared`` record or ``None``."""
-    prepared = strategy._find_prepared(module)
+    prepared = _prepared_of(strategy, module)
     target = prepared.module if prepared is not None else module
     state = _fit_module(target, tensors, aliases, what)
     if prepared is None:
@@ -926,7 +938,7 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
                                   "in files named after their keyword, which must match "
                                   f"{_KEY_RE.pattern}. Fix: pass it as e.g. model=...")
         if isinstance(obj, nn.Module):
-            prepared = strategy._find_prepared(obj)
+            prepared = _prepared_of(strategy, obj)
             raw = strategy._checkpoint_model(prepared) if prepared is not None else \
                 {k: v.detach() for k, v in obj.state_dict().items()}
             tensors: dict[str, torch.Tensor] = {}
@@ -1154,7 +1166,7 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
                                       f"{entry['kind']}, not a module. Fix: pass {key}= the "
                                       "kind of object that was saved under that name")
             tensors = _tensors(directory, blobs, entry["file"])
-            prepared = strategy._find_prepared(obj)
+            prepared = _prepared_of(strategy, obj)
             if prepared is not None:
                 prepared.local_steps = int(entry.get("local_steps", prepared.local_steps))
             _load_into(strategy, obj, tensors, entry.get("aliases", {}),
