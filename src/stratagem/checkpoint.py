@@ -3,10 +3,11 @@
 Layout: ``path`` is a symbolic link to ``<parent>/.<name>.versions/<step>-<id>/``, a directory
 holding ``model.safetensors`` (the model users keep, under the module's own names: the
 replicated model, or the global/center model of parameter-server and elastic-averaging
-strategies), optimizer state (``optimizer.safetensors`` + ``optimizer.json``, one pair per rank
-when the state is local to each worker), ``strategy.safetensors`` (center, outer momentum,
-...), ``rng.safetensors`` (every rank's RNG states), ``extra.safetensors`` and
-``manifest.json`` (strategy, world size, step, JSON extras, sha256 of every file).
+strategies), optimizer state (``optimizer.safetensors``: tensors plus the JSON skeleton in its
+metadata; ``optimizer.rank<r>.safetensors`` per rank when the state is local to each worker),
+``strategy.safetensors`` (center, outer momentum, ...), ``rng.rank<r>.safetensors`` (every
+rank's RNG states), ``extra.safetensors`` (tensor extras) and ``manifest.json`` (strategy,
+world size, step, JSON extras, aliases of shared parameters, sha256 of every file).
 
 A save writes and fsyncs a new version directory, then swaps the link with one
 ``os.replace``: a crash at any instant leaves ``path`` pointing at a complete checkpoint.
