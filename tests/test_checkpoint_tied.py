@@ -274,3 +274,20 @@ def test_read_extras_before_any_model_exists(tmp_path: Path) -> None:
     # ... and a missing checkpoint is explained.
     with pytest.raises(sg.CheckpointError, match="no intact checkpoint.*Fix"):
         read_extras(tmp_path / "nothing")
+
+
+def test_strategy_state_naming_one_tensor_twice_keeps_both_names(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """Strategy state is looked up name by name on restore: a tensor under two names is stored
+    under both (as copies), never dropped as an alias."""
+    s = sg.OneDevice()
+    model = s.prepare(TiedLM())
+    shared = torch.arange(4.0)
+    monkeypatch.setattr(s, "_strategy_state", lambda prepared: {"a": shared, "b": shared})
+    seen: dict[str, torch.Tensor] = {}
+    monkeypatch.setattr(s, "_load_strategy_state", lambda prepared, state: seen.update(state))
+    s.save(tmp_path / "ck", model=model)
+    s.restore(tmp_path / "ck", model=model)
+    assert sorted(seen) == ["a", "b"]
+    torch.testing.assert_close(seen["b"], shared, atol=0, rtol=0)

@@ -821,12 +821,14 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (int(last) + 1) * t.element_size()
 
 
-def _dedupe(tensors: dict[str, torch.Tensor], what: str
+def _dedupe(tensors: dict[str, torch.Tensor], what: str, *, alias: bool = True
             ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Each storage once: names that are the same view of one storage (tied parameters) become
     aliases of the first name, which alone is stored (safetensors' own convention: its
-    ``load_model`` re-ties them). Different views overlapping in one storage cannot be stored
-    as views; they are stored as copies. Returns (tensors to store on the CPU, alias -> name)."""
+    ``load_model`` re-ties them); with ``alias=False`` they are stored as copies instead (for
+    state whose reader looks every name up). Different views overlapping in one storage cannot
+    be stored as views; they are stored as copies. Returns (tensors to store on the CPU,
+    alias -> name)."""
     out: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -839,8 +841,12 @@ def _dedupe(tensors: dict[str, torch.Tensor], what: str
             view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(),
                     tuple(t.shape), tuple(t.stride()), t.dtype)
             if view in seen:
-                aliases[name] = seen[view]
-                continue
+                if alias:
+                    aliases[name] = seen[view]
+                    continue
+                t = t.clone()
+                view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(),
+                        tuple(t.shape), tuple(t.stride()), t.dtype)
             seen[view] = name
         out[name] = t
     spans: dict[tuple[Any, int], list[tuple[int, int, str]]] = {}
@@ -981,7 +987,8 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
             _dumps_checked(obj, f"{key}={type(obj).__name__}", MAX_JSON_DEPTH - 2)
             manifest["extra"][key] = obj
     if strategy_state:
-        unique, _ = _dedupe(strategy_state, "strategy state")
+        # Strategies look each of their names up on restore: copies, not aliases.
+        unique, _ = _dedupe(strategy_state, "strategy state", alias=False)
         files["strategy.safetensors"] = _st_save(unique, None, "strategy state")
     if extra_tensors:
         files["extra.safetensors"] = _pack(extra_tensors, "the tensor extras")
