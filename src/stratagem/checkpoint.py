@@ -687,10 +687,10 @@ def _check_manifest(m: Any, where: Path) -> dict[str, Any]:
     return m
 
 
-Wanted = Callable[[dict[str, Any]], Collection[str]]
+_Wanted = Callable[[dict[str, Any]], Collection[str]]
 
 
-def _verify(directory: Path, wanted: Wanted) -> tuple[dict[str, Any], dict[str, bytes]]:
+def _verify(directory: Path, wanted: _Wanted) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The manifest of an intact checkpoint directory and the bytes of the files ``wanted``
     names; ``CheckpointError`` otherwise. Every member is opened once: the files loaded are
     hashed in memory and the same bytes returned; the others are hashed streaming."""
@@ -722,7 +722,7 @@ def _verify(directory: Path, wanted: Wanted) -> tuple[dict[str, Any], dict[str, 
         os.close(dfd)
 
 
-def _resolve(path: Path, wanted: Wanted) -> tuple[Path, dict[str, Any], dict[str, bytes]]:
+def _resolve(path: Path, wanted: _Wanted) -> tuple[Path, dict[str, Any], dict[str, bytes]]:
     """The checkpoint to load at ``path``: itself if intact, else the newest intact version
     (a link of ours is only followed into a plain versions directory)."""
     errors: list[str] = []
@@ -1124,7 +1124,7 @@ def _set_rng(rng: Any, what: str) -> None:
                               f"{_CORRUPT}") from exc
 
 
-def _wanted_by(rank: int, world_size: int, state: dict[str, Any]) -> Wanted:
+def _wanted_by(rank: int, world_size: int, state: dict[str, Any]) -> _Wanted:
     """Which files this rank loads (the others are only hashed): its modules, its optimizer
     file, the strategy and extra files, and its RNG file when the world size matches."""
     def wanted(m: dict[str, Any]) -> set[str]:
