@@ -146,6 +146,27 @@ def test_legacy_directory_at_path_is_moved_into_versions(tmp_path: Path) -> None
     assert s.restore(tmp_path / "ck", model=model)["step"] == 6
 
 
+def test_our_link_into_a_planted_version_link_is_not_followed(tmp_path: Path) -> None:
+    """``path`` pointing (with our pattern) at a link planted in the versions directory: the
+    link's target is never read; restore falls back to the newest real version."""
+    s, model = _saver()
+    s.save(tmp_path / "ck", model=model, step=1)
+    first = {k: v.clone() for k, v in s.unwrap(model).state_dict().items()}
+    real = (tmp_path / "ck").resolve()
+    elsewhere = tmp_path / "elsewhere"
+    with torch.no_grad():
+        for p in s.unwrap(model).parameters():
+            p.add_(1.0)
+    s.save(elsewhere, model=model, step=9)  # a valid checkpoint, outside our directory
+    planted = tmp_path / ".ck.versions" / "000000000009-00000000000000000009"
+    os.symlink(elsewhere.resolve(), planted)
+    (tmp_path / "ck").unlink()
+    os.symlink(f".ck.versions/{planted.name}", tmp_path / "ck")
+    with pytest.warns(RuntimeWarning, match=f"symbolic link.*newest intact one, {real}"):
+        assert s.restore(tmp_path / "ck", model=model)["step"] == 1
+    torch.testing.assert_close(s.unwrap(model).state_dict(), first, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------- restore: members
 def test_symlinked_member_is_refused_even_with_matching_checksum(tmp_path: Path) -> None:
     s, model = _saver()

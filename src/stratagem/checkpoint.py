@@ -726,10 +726,15 @@ def _resolve(path: Path, wanted: _Wanted) -> tuple[Path, dict[str, Any], dict[st
     """The checkpoint to load at ``path``: itself if intact, else the newest intact version
     (a link of ours is only followed into a plain versions directory)."""
     errors: list[str] = []
+    follow = True
     if _is_our_link(path):
-        _check_versions_dir(path)
+        target = _check_versions_dir(path) / os.readlink(path).split("/")[1]
+        if _is_link(target):
+            follow = False  # a link planted in our versions directory is never followed
+            errors.append(f"{target} is a symbolic link, not a version directory stratagem "
+                          "wrote; refusing to follow it")
     current: Path | None = None
-    if path.exists():
+    if follow and path.exists():
         current = path.resolve()
         try:
             return current, *_verify(current, wanted)
