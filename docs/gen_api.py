@@ -23,7 +23,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("stratagem.fit", "stratagem.fit — the high-level loop and callbacks", None),
     ("stratagem.data", "stratagem.data — input sharding", None),
     ("stratagem.checkpoint", "stratagem.checkpoint — checkpoint files",
-     ["load_model_state"]),
+     ["read_extras", "load_model_state"]),
     ("stratagem.testing", "stratagem.testing — running ranks as threads", None),
     ("stratagem.ps", "stratagem.ps — the parameter-server runtime",
      ["PSClient", "ShardedParameters", "PushOutcome", "ShardServer", "serve",

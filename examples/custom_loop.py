@@ -70,6 +70,7 @@ def main() -> None:
             print(f"epoch {epoch}: loss {float(mean_loss):.4f} "
                   f"({strategy.num_replicas_in_sync} replica(s), {type(strategy).__name__})",
                   flush=True)
+    strategy.finalize(model)  # LocalSGD/DiLoCo/EASGD/PS: the last local steps join the consensus
     if args.checkpoint:
         strategy.save(args.checkpoint, model=model, optimizer=optimizer, step=step)
     strategy.close()

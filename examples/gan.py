@@ -110,7 +110,10 @@ def main() -> None:
                           f"loss_g {float(losses['g']):.3f}", flush=True)
         epoch += 1
 
-    g = strategy.unwrap(generator)
+    # Periodic strategies: fold the last local steps into the consensus generator, then score it.
+    strategy.finalize(generator)
+    strategy.finalize(discriminator)
+    g = strategy.eval_model(generator)
     with torch.no_grad():
         z = torch.randn(2000, args.latent, generator=noise).to(strategy.device)
         good, count, _ = score(g(z).cpu())

@@ -52,9 +52,11 @@ def get_strategy() -> Strategy:
         return stack[-1]
     default = getattr(_local, "default", None)
     if default is None:
+        from .comm import Comm
         from .strategies.one_device import OneDevice
 
-        default = OneDevice()
+        # An explicit comm: the implicit default must not warn about a launcher's WORLD_SIZE.
+        default = OneDevice(comm=Comm.single())
         _local.default = default
     return default
 

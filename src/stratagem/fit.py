@@ -542,6 +542,7 @@ def fit(
     metrics_dir: str | os.PathLike[str] | None = None,
     progress: bool | Console = True,
     eval_fn: Callable[[Strategy, nn.Module], Mapping[str, float]] | None = None,
+    clip_grad_norm: float | None = None,
 ) -> dict[str, list[float]]:
     """Train ``model`` for ``epochs`` epochs on ``dataset`` under ``strategy``; call it on
     every replica. Returns the history: per epoch ``loss`` (mean training loss, reduced across
@@ -563,13 +564,25 @@ def fit(
     epoch to ``metrics_dir/metrics.csv`` and, when ``tensorboard`` is installed, writes
     TensorBoard scalars there. ``progress``: a rich progress bar on the chief (True), none
     (False), or a ``rich.console.Console`` to draw on; when the output is not a terminal, one
-    line per epoch is printed instead.
+    line per epoch is printed instead. ``clip_grad_norm``: clip the gradients of every
+    optimizer step to this total 2-norm with ``strategy.clip_grad_norm_`` (unscaled, whole
+    accumulated step).
+
+    At the end of training (the last epoch, before its evaluation, and again after an early
+    stop) ``strategy.finalize(model)`` folds the last local steps into the consensus model
+    (LocalSGD, DiLoCo, EASGD, parameter servers), so the last ``val_*`` numbers, the last
+    checkpoint and ``strategy.eval_model(model)`` after ``fit`` describe the final model.
 
     On failure: errors of the strategy propagate unchanged (e.g. ``PeerTimeoutError`` naming
     the peer); the progress bar and metric files are closed first.
     """
     _check_positive_int("epochs", epochs)
     _check_positive_int("global_batch_size", global_batch_size)
+    if clip_grad_norm is not None and (
+            isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+            or not (math.isfinite(clip_grad_norm) and clip_grad_norm > 0)):
+        raise ValueError(f"clip_grad_norm must be None or a finite number > 0, got "
+                         f"{clip_grad_norm!r}. Fix: pass e.g. clip_grad_norm=1.0")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, target) -> loss, got "
                         f"{type(loss_fn).__name__}")
@@ -593,7 +606,7 @@ def fit(
         return _train(ctx, loss_fn, start_epoch=start_epoch, first_step=first_step,
                       epochs=epochs, eval_dataset=eval_dataset, eval_fn=eval_fn,
                       eval_batch_size=max(1, global_batch_size // strategy.num_replicas_in_sync),
-                      metrics_dir=metrics_dir, progress=progress)
+                      metrics_dir=metrics_dir, progress=progress, clip_grad_norm=clip_grad_norm)
 
 
 def _prepared_pair(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -653,8 +666,8 @@ def _maybe_resume(ctx: FitContext) -> tuple[int, int]:
 
 def _train(ctx: FitContext, loss_fn: Callable[..., torch.Tensor], *, start_epoch: int,
            first_step: int, epochs: int, eval_dataset: Any, eval_fn: Any, eval_batch_size: int,
-           metrics_dir: str | os.PathLike[str] | None, progress: bool | Console
-           ) -> dict[str, list[float]]:
+           metrics_dir: str | os.PathLike[str] | None, progress: bool | Console,
+           clip_grad_norm: float | None = None) -> dict[str, list[float]]:
     strategy, model, optimizer, loader = ctx.strategy, ctx.model, ctx.optimizer, ctx.loader
     chief = strategy.is_chief
     callbacks = ctx.callbacks
@@ -695,6 +708,8 @@ def _train(ctx: FitContext, loss_fn: Callable[..., torch.Tensor], *, start_epoch
                 inputs, target = _split_batch(batch)
                 loss = loss_fn(model(*inputs), target)
                 strategy.backward(loss)
+                if clip_grad_norm is not None:
+                    strategy.clip_grad_norm_(model, clip_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
                 detached = loss.detach()
@@ -738,6 +753,9 @@ def _train(ctx: FitContext, loss_fn: Callable[..., torch.Tensor], *, start_epoch
                 "comm_mb_per_second": float(totals["comm_mb"]) / float(totals["seconds"]),
                 "lr": lr,
             }
+            if epoch == epochs - 1:
+                # The last epoch: its evaluation and checkpoint see the final model.
+                strategy.finalize(model)
             if eval_dataset is not None:
                 logs.update(_evaluate(strategy, model, loss_fn, eval_dataset, eval_batch_size))
             if eval_fn is not None:
@@ -762,6 +780,8 @@ def _train(ctx: FitContext, loss_fn: Callable[..., torch.Tensor], *, start_epoch
             # Agreed across replicas: a stop asked for anywhere stops everyone after this epoch.
             if strategy.reduce("max", int(any(cb.stop_training for cb in callbacks))):
                 break
+        # After an early stop, or a resume past the last epoch; else a no-op-like repeat.
+        strategy.finalize(model)
         for cb in callbacks:
             cb.on_train_end(_last_row(ctx.history))
     finally:

@@ -10,15 +10,56 @@ skip decision before acting on it, so every replica skips the same step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["Precision", "PRECISIONS"]
+__all__ = ["Precision", "PRECISIONS", "Autocast"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _NONFINITE = ("raise", "skip")
+
+
+class Autocast(contextlib.ContextDecorator):
+    """A reusable autocast context manager (and decorator), like ``torch.autocast``.
+
+    ``ctx = strategy.autocast()`` may be entered any number of times, one after the other or
+    nested, from several threads: every ``with ctx:`` enters a fresh ``torch.autocast`` kept
+    on a per-thread stack (``torch.autocast`` itself stores its saved state on the instance,
+    so one instance cannot be nested). With ``fast_dtype=None`` (fp32) it is a no-op: it
+    neither enables nor disables an autocast entered around it.
+    """
+
+    def __init__(self, device_type: str, dtype: torch.dtype | None) -> None:
+        self.device_type = device_type
+        self.fast_dtype = dtype
+        self.enabled = dtype is not None
+        self._local = threading.local()
+
+    def _stack(self) -> list[Any]:
+        stack: list[Any] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def __enter__(self) -> Autocast:
+        ctx = None
+        if self.fast_dtype is not None:
+            ctx = torch.autocast(device_type=self.device_type, dtype=self.fast_dtype)
+            ctx.__enter__()
+        self._stack().append(ctx)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        ctx = self._stack().pop()
+        if ctx is not None:
+            ctx.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return (f"Autocast(device_type={self.device_type!r}, fast_dtype={self.fast_dtype}, "
+                f"enabled={self.enabled})")
 
 
 class Precision:
@@ -58,14 +99,9 @@ class Precision:
     def dtype(self) -> torch.dtype | None:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        dtype = self.dtype
-        if dtype is None:
-            yield
-            return
-        with torch.autocast(device_type=self.device_type, dtype=dtype):
-            yield
+    def autocast(self) -> Autocast:
+        """A reusable autocast context (a no-op under fp32), see :class:`Autocast`."""
+        return Autocast(self.device_type, self.dtype)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         # Upcast first: an fp16 loss times 2**16 would overflow before backward even starts.

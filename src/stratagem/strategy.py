@@ -1,21 +1,26 @@
 """The ``Strategy`` base: the training-loop contract every strategy fulfils.
 
 How a step flows: ``strategy.backward(loss)`` (divide by ``accumulation_steps``, scale for
-fp16) -> wrapped ``optimizer.step()`` -> ``Strategy._step`` (accumulation boundary, unscale
-and non-finite decision, agreed across replicas for synchronous strategies) ->
+fp16) -> [``clip_grad_norm_``: at the boundary, unscale + clip now; before it, a request] ->
+wrapped ``optimizer.step()`` -> ``Strategy._step`` (accumulation boundary, unscale, a pending
+clip, non-finite decision, agreed across replicas for synchronous strategies) ->
 ``_apply_update`` (the inner optimizer step, or a push/pull for parameter servers) ->
 ``_after_update`` (the strategy's synchronisation: nothing, an elastic exchange, an average,
-an outer step). Strategies override those hooks and nothing else; the core never asks which
-strategy it is running.
+an outer step). ``finalize`` (``_finalize``) is the last synchronisation of the periodic
+strategies; ``eval_model`` returns the consensus as a module of the user's class. Strategies
+override those hooks and nothing else; the core never asks which strategy it is running.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
+import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -26,7 +31,7 @@ from .comm import Comm
 from .context import InputContext, ReplicaContext, _enter_replica, _enter_scope
 from .data import DistributedLoader
 from .errors import ReplicaMismatchError
-from .precision import Precision
+from .precision import Autocast, Precision
 
 __all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer"]
 
@@ -51,13 +56,42 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _uncompiled(module: nn.Module) -> nn.Module:
+    """The module behind ``torch.compile``'s ``OptimizedModule`` wrappers (``_orig_mod``)."""
+    while type(module).__name__ == "OptimizedModule":
+        inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+        module = inner
+    return module
+
+
+def _check_count(name: str, value: Any, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}. Fix: {fix}")
+    return value
+
+
+@dataclass
+class _ClipRequest:
+    """A ``clip_grad_norm_`` call waiting for the accumulation boundary. ``norm`` is the
+    tensor returned to the caller, filled in place when the norm is computed."""
+
+    max_norm: float
+    norm_type: float
+    norm: torch.Tensor
+
+
 class Prepared:
     """What ``prepare`` made of one model: the wrapped model, the bare module (names as the
-    user defined them), the wrapped optimizers, and a dict the strategy may keep state in."""
+    user defined them; the module behind ``torch.compile``), the wrapped optimizers, and a
+    dict the strategy may keep state in. ``given`` is the object passed to ``prepare`` (a
+    ``torch.compile`` wrapper, or the module itself)."""
 
-    def __init__(self, model: nn.Module, module: nn.Module) -> None:
+    def __init__(self, model: nn.Module, module: nn.Module, given: nn.Module | None = None) -> None:
         self.model = model
         self.module = module
+        self.given = given if given is not None else module
         self.optimizers: list[StrategyOptimizer] = []
         self.state: dict[str, Any] = {}
         self.param_names = {id(p): n for n, p in module.named_parameters()}
@@ -126,8 +160,9 @@ def _is_comm_error(exc: BaseException) -> bool:
 class Strategy:
     """Base of every strategy. Built from keyword arguments only.
 
-    Common arguments: ``precision`` ("fp32", "bf16", "fp16"), ``accumulation_steps``,
-    ``timeout`` (seconds before a silent peer becomes :class:`PeerTimeoutError`),
+    Common arguments: ``precision`` ("fp32", "bf16", "fp16"), ``accumulation_steps`` (micro-
+    batches per optimizer step on each worker; settable later) or ``global_accumulation_steps``
+    (the same as a count over all workers: divided by ``num_replicas_in_sync``), ``timeout`` (seconds before a silent peer becomes :class:`PeerTimeoutError`),
     ``on_nonfinite`` ("raise" or "skip" when no loss scaler is in use), ``device`` (chosen at
     run time when omitted: this worker's CUDA device, else the CPU), ``comm`` (an explicit
     :class:`~stratagem.comm.Comm`; by default the job described by the environment).
@@ -147,7 +182,8 @@ class Strategy:
         self,
         *,
         precision: str = "fp32",
-        accumulation_steps: int = 1,
+        accumulation_steps: int | None = None,
+        global_accumulation_steps: int | None = None,
         timeout: float = 60.0,
         on_nonfinite: str = "raise",
         device: torch.device | str | None = None,
@@ -155,28 +191,88 @@ class Strategy:
         growth_interval: int = 2000,
         init_scale: float = 2.0**16,
     ) -> None:
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) \
-                or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        if accumulation_steps is not None and global_accumulation_steps is not None:
+            raise ValueError(
+                f"pass accumulation_steps (per worker) or global_accumulation_steps (over all "
+                f"workers), not both; got accumulation_steps={accumulation_steps!r} and "
+                f"global_accumulation_steps={global_accumulation_steps!r}. Fix: drop one")
+        if accumulation_steps is not None:
+            _check_count("accumulation_steps", accumulation_steps,
+                         "pass the number of micro-batches per optimizer step, e.g. 4")
+        if global_accumulation_steps is not None:
+            _check_count("global_accumulation_steps", global_accumulation_steps,
+                         "pass the number of micro-batches per optimizer step summed over all "
+                         "workers, e.g. 8")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.device = torch.device(device) if device is not None else _default_device()
         self.timeout = float(timeout)
-        self.accumulation_steps = accumulation_steps
+        self._prepared: list[Prepared] = []
+        self._micro = 0
+        self._boundary_done = False
+        self._accumulation_steps = 1
         self.precision = Precision(precision, device_type=self.device.type,
                                    on_nonfinite=on_nonfinite, growth_interval=growth_interval,
                                    init_scale=init_scale)
         self.comm = comm if comm is not None else self._comm_from_env()
-        self._prepared: list[Prepared] = []
-        self._micro = 0
-        self._boundary_done = False
+        if global_accumulation_steps is not None:
+            self.global_accumulation_steps = global_accumulation_steps
+        elif accumulation_steps is not None:
+            self.accumulation_steps = accumulation_steps
         self._steps = 0
         self._skipped = 0
+        # clip_grad_norm_ bookkeeping for the current accumulation boundary (see _step):
+        # parameters whose gradients are already unscaled/checked, pending clip requests and
+        # the non-finite verdicts of clips done before optimizer.step().
+        self._unscaled: set[int] = set()
+        self._clip_requests: dict[int, _ClipRequest] = {}
+        self._clip_nonfinite: dict[int, bool] = {}
         # Issue 6 (preemption): set by on_preemption, checked at the end of every step.
         self._preemption: Any = None
 
     def _comm_from_env(self) -> Comm:
         return Comm.from_env(timeout=self.timeout, device=self.device)
+
+    # ------------------------------------------------------------------ accumulation
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each worker. Settable between optimizer steps
+        (not in the middle of an accumulated step)."""
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        _check_count("accumulation_steps", value,
+                     "pass the number of micro-batches per optimizer step, e.g. 4")
+        if self._accumulating():
+            raise RuntimeError(
+                f"cannot change accumulation_steps from {self._accumulation_steps} to {value} "
+                f"in the middle of an accumulated step ({self._micro} of "
+                f"{self._accumulation_steps} micro-batches done). Fix: set it after "
+                "optimizer.step() and optimizer.zero_grad() of the last micro-batch")
+        self._accumulation_steps = value
+        self._set_next_sync()
+
+    @property
+    def global_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step summed over the workers: ``accumulation_steps *
+        num_replicas_in_sync``. Setting it divides by the number of workers (a count not
+        divisible raises ``ValueError`` naming both numbers)."""
+        return self._accumulation_steps * self.num_replicas_in_sync
+
+    @global_accumulation_steps.setter
+    def global_accumulation_steps(self, value: int) -> None:
+        _check_count("global_accumulation_steps", value,
+                     "pass the number of micro-batches per optimizer step summed over all "
+                     "workers, e.g. 8")
+        workers = self.num_replicas_in_sync
+        if value % workers:
+            raise ValueError(
+                f"global_accumulation_steps={value} is not divisible by the {workers} workers "
+                f"(num_replicas_in_sync), so workers cannot share it equally. Fix: pass a "
+                f"multiple of {workers} (e.g. {max(workers, value - value % workers)}), or "
+                "accumulation_steps= per worker")
+        self.accumulation_steps = value // workers
 
     # ------------------------------------------------------------------ identity
     @property
@@ -202,8 +298,10 @@ class Strategy:
         with _enter_scope(self):
             yield self
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        """Autocast for the forward pass (a no-op under fp32)."""
+    def autocast(self) -> Autocast:
+        """Autocast for code outside the prepared model (a no-op under fp32). The returned
+        object is reusable: ``ctx = strategy.autocast()`` may be entered many times, nested,
+        or used as a decorator, like ``torch.autocast``."""
         return self.precision.autocast()
 
     # ------------------------------------------------------------------ prepare
@@ -218,12 +316,18 @@ class Strategy:
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, StrategyOptimizer):
                 raise TypeError(f"prepare expects torch optimizers after the model, got {type(opt).__name__}")
-        model.to(self.device)
-        self._initial_sync(model)
+        # torch.compile: the strategy works on the module behind the compiled wrapper (its own
+        # parameter names for checks, placement and checkpoints); the forward path keeps the
+        # compiled wrapper.
+        module = _uncompiled(model)
+        module.to(self.device)
+        self._initial_sync(module)
         wrapped = self._wrap_model(model)
         if self.precision.dtype is not None:
-            wrapped.forward = self._autocast_forward(wrapped.forward)  # type: ignore[method-assign]
-        prepared = Prepared(wrapped, model)
+            # On the user's module (inside DDP / the compiled wrapper), so that every path to
+            # its forward runs in autocast, and copies of it can be re-bound (_eval_copy).
+            module.forward = self._autocast_forward(module)  # type: ignore[method-assign]
+        prepared = Prepared(wrapped, module, given=model)
         prepared.optimizers = [StrategyOptimizer(self, opt, prepared) for opt in optimizers]
         self._prepared.append(prepared)
         self._setup(prepared)
@@ -232,14 +336,37 @@ class Strategy:
             return wrapped
         return (wrapped, *prepared.optimizers)
 
-    def _autocast_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        precision = self.precision
+    def _autocast_forward(self, module: nn.Module) -> Callable[..., Any]:
+        """``module.forward`` run in autocast. Plain ``torch.autocast`` (not :class:`Autocast`)
+        so that ``torch.compile`` traces it without a graph break."""
+        forward = module.forward
+        device_type, dtype = self.precision.device_type, self.precision.dtype
 
         def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
-            with precision.autocast():
+            with torch.autocast(device_type=device_type, dtype=dtype):
                 return forward(*args, **kwargs)
 
+        forward_in_autocast._stratagem_autocast = True  # type: ignore[attr-defined]
         return forward_in_autocast
+
+    def _eval_copy(self, prepared: Prepared) -> nn.Module:
+        """A copy of the user's module for ``eval_model`` (made once, then reused): the
+        user's class, gradients off, its forward its own (a deep copy would keep the
+        autocast wrapper bound to the *original* module, i.e. evaluate the local model), run
+        in autocast like the prepared model under bf16/fp16. The caller fills in the values."""
+        clone: nn.Module | None = prepared.state.get("_eval_copy")
+        if clone is not None:
+            return clone
+        clone = copy.deepcopy(prepared.module)
+        if getattr(clone.__dict__.get("forward"), "_stratagem_autocast", False):
+            del clone.__dict__["forward"]
+        clone.requires_grad_(False)
+        for p in clone.parameters():
+            p.grad = None
+        if self.precision.dtype is not None:
+            clone.forward = self._autocast_forward(clone)  # type: ignore[method-assign]
+        prepared.state["_eval_copy"] = clone
+        return clone
 
     def _check_replicas(self, model: nn.Module) -> None:
         entries = [[f"param:{n}", list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
@@ -310,9 +437,51 @@ class Strategy:
         opt.load_state_dict(state)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        """The model to evaluate: the replica's own by default; strategies whose replicas
-        drift apart (elastic averaging, parameter servers) return the consensus model."""
-        return model
+        """The model to evaluate and keep: always a module of the user's class (never a DDP
+        or ``torch.compile`` wrapper) holding the consensus model — the replica's own module
+        for replicated strategies (OneDevice, Mirrored), the average (LocalSGD), the outer
+        parameters (DiLoCo), the center (EASGD), the global model (parameter servers). Under
+        bf16/fp16 its forward runs in autocast, like the prepared model's. Call it on every
+        replica: for some strategies it is a collective (LocalSGD averages). A model that was
+        not prepared by this strategy is returned unchanged."""
+        prepared = self._find_prepared(model)
+        return prepared.module if prepared is not None else model
+
+    def finalize(self, model: nn.Module) -> None:
+        """One last synchronisation, so that the consensus model (``eval_model``, ``save``)
+        includes every local step taken since the last periodic synchronisation.
+
+        A collective: call it on every replica, at the end of training (``fit`` does). A
+        no-op for strategies that synchronise every step (OneDevice, Mirrored). Training may
+        continue afterwards, and calling it twice is harmless. What it does per strategy is in
+        the strategy's ``_finalize`` docstring (LocalSGD / DiLoCo: the workers' parameters are
+        averaged and become the consensus; EASGD: a last elastic exchange; parameter server:
+        the pending push is flushed and the global model pulled)."""
+        prepared = self._require_prepared(model, "finalize")
+        self._finalize(prepared)
+
+    def _finalize(self, prepared: Prepared) -> None:
+        """Strategies with local steps override this (see :meth:`finalize`)."""
+
+    def _require_prepared(self, model: nn.Module, what: str) -> Prepared:
+        prepared = self._find_prepared(model)
+        if prepared is None:
+            raise ValueError(f"{what} needs a model prepared by this strategy, got a "
+                             f"{type(model).__name__} it did not prepare. Fix: pass the model "
+                             "that strategy.prepare(model, optimizer) returned")
+        return prepared
+
+    def _grad_norm(self, prepared: Prepared, grads: list[torch.Tensor],
+                   norm_type: float) -> torch.Tensor:
+        """The total ``norm_type``-norm of the model's gradients, as the optimizer step will
+        see them. This replica's gradients: after DDP's all-reduce they are the global ones
+        (Mirrored); strategies whose gradients stay local (LocalSGD, DiLoCo, EASGD, parameter
+        servers, which clip before the push) clip their own. A strategy whose gradients are
+        sharded across replicas overrides this to reduce the norm."""
+        dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+        if not dense:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.get_total_norm(dense, norm_type=norm_type).float()
 
     def _flush_counters(self) -> None:
         """Fold traffic counted outside ``comm`` (parameter-server clients) into it, before
@@ -320,6 +489,85 @@ class Strategy:
 
     def _extra_metrics(self) -> dict[str, Any]:
         return {}
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the model's gradients to a total ``norm_type``-norm of at most ``max_norm``,
+        the way ``torch.nn.utils.clip_grad_norm_`` does, but on the *unscaled* gradients of
+        the *whole* accumulated step, whatever the loop shape.
+
+        Call it between ``strategy.backward(loss)`` and ``optimizer.step()``, either on every
+        micro-batch or only on the last one of an accumulated step: both give the same
+        result. At the accumulation boundary (after the last micro-batch's backward) the
+        gradients are unscaled (fp16), checked and clipped right away; on an earlier
+        micro-batch the request is recorded and applied inside ``optimizer.step()`` at the
+        boundary — partial sums are never clipped. Under Mirrored the norm is that of the
+        all-reduced (global) gradient; under LocalSGD, DiLoCo, EASGD and the parameter
+        servers it is this worker's own gradient (clipped before the local step / the push).
+
+        Returns the pre-clip total norm as a 0-dim float32 tensor. Called at the boundary it
+        holds the norm on return; called on an earlier micro-batch it is the tensor the step
+        will fill in place (NaN until then: read it after ``optimizer.step()``). A
+        non-finite norm is treated like a non-finite gradient: the step is skipped (fp16 or
+        ``on_nonfinite="skip"``, agreed across replicas for synchronous strategies) or
+        ``FloatingPointError`` is raised; the gradients are then left unclipped.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
+                or not (math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}. Fix: "
+                             "pass e.g. max_norm=1.0")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
+                or not norm_type > 0:
+            raise ValueError(f"norm_type must be a number > 0 or float('inf'), got "
+                             f"{norm_type!r}. Fix: pass 2.0 (Euclidean) or float('inf')")
+        prepared = self._require_prepared(model, "clip_grad_norm_")
+        request = self._clip_requests.get(id(prepared))
+        if request is None:
+            request = _ClipRequest(float(max_norm), float(norm_type),
+                                   torch.full((), math.nan, device=self.device))
+            self._clip_requests[id(prepared)] = request
+        else:  # the last call of the accumulated step wins
+            request.max_norm, request.norm_type = float(max_norm), float(norm_type)
+        if self._micro == 0 and not self._boundary_done and self.precision.uses_scaler:
+            raise RuntimeError(
+                "clip_grad_norm_ without strategy.backward(loss): precision='fp16' scales the "
+                "loss there. Replace loss.backward() with strategy.backward(loss).")
+        at_boundary = not self._boundary_done and (
+            self._micro == 0 or self._micro >= self.accumulation_steps)
+        if at_boundary:
+            del self._clip_requests[id(prepared)]
+            self._clip_now(prepared, request)
+        return request.norm
+
+    def _unscale(self, params: Iterable[torch.Tensor]) -> bool:
+        """Unscale (fp16) and check the gradients of ``params`` not yet handled at this
+        boundary; True when one is inf/nan."""
+        todo: list[torch.Tensor] = []
+        for p in params:
+            if p.grad is not None and id(p) not in self._unscaled:
+                self._unscaled.add(id(p))
+                todo.append(p.grad)
+        return self.precision.unscale_and_check(todo)
+
+    def _clip_now(self, prepared: Prepared, request: _ClipRequest) -> None:
+        params = [p for p in prepared.module.parameters() if p.grad is not None]
+        nonfinite = self._unscale(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = self._grad_norm(prepared, grads, request.norm_type)
+        nonfinite = nonfinite or not bool(torch.isfinite(norm))
+        with torch.no_grad():
+            request.norm.copy_(norm)
+            if not nonfinite and grads:
+                coef = (request.max_norm / (norm + 1e-6)).clamp(max=1.0)
+                dense = [g for g in grads if not g.is_sparse]
+                if dense:
+                    torch._foreach_mul_(dense, coef.to(dense[0].device))
+                for g in grads:
+                    if g.is_sparse:
+                        g.mul_(coef.to(g.device))
+        key = id(prepared)
+        self._clip_nonfinite[key] = self._clip_nonfinite.get(key, False) or nonfinite
 
     # ------------------------------------------------------------------ the step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -351,6 +599,8 @@ class Strategy:
         if self._boundary_done:
             self._micro = 0
             self._boundary_done = False
+            self._unscaled.clear()
+            self._clip_nonfinite.clear()
             self._set_next_sync()
 
     def _step(self, opt: StrategyOptimizer) -> None:
@@ -364,8 +614,19 @@ class Strategy:
             return  # a micro-batch: gradients keep accumulating, nothing is communicated
         self._boundary_done = True
         prepared = opt._prepared
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        nonfinite = self.precision.unscale_and_check(grads)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if not self._unscaled and not self._clip_requests:
+            # No clipping at this boundary: no per-parameter bookkeeping on the hot path.
+            nonfinite = self.precision.unscale_and_check(
+                [p.grad for p in params if p.grad is not None])
+        else:
+            nonfinite = self._unscale(params)
+            request = self._clip_requests.pop(id(prepared), None)
+            if request is not None:  # recorded on an earlier micro-batch: the boundary is now
+                self._clip_now(prepared, request)
+            nonfinite = self._clip_nonfinite.pop(id(prepared), False) or nonfinite
+            # Another optimizer stepping at this boundary unscales its own parameters.
+            self._unscaled.difference_update(id(p) for p in params)
         checks_agree = self.precision.uses_scaler or self.precision.on_nonfinite == "skip"
         if self._synchronous_step and checks_agree and self.num_replicas_in_sync > 1:
             flag = torch.tensor([1.0 if nonfinite else 0.0])
@@ -392,9 +653,11 @@ class Strategy:
                if p.grad is not None and not bool(
                    torch.isfinite(p.grad._values() if p.grad.is_sparse else p.grad).all())]
         return (f"non-finite gradient at step {self._steps + 1} on replica {self.replica_id} "
-                f"in parameter(s) {', '.join(bad[:5]) or '?'}. Fix: lower the learning rate or "
-                "clip gradients; or pass on_nonfinite='skip' to skip such steps, or "
-                "precision='fp16' for dynamic loss scaling.")
+                f"in parameter(s) {', '.join(bad[:5]) or '?'} (or a gradient norm beyond "
+                "float32). Fix: lower the learning rate, or clip the gradients with "
+                "strategy.clip_grad_norm_(model, max_norm) between strategy.backward(loss) and "
+                "optimizer.step() (fit(..., clip_grad_norm=1.0)); or pass on_nonfinite='skip' "
+                "to skip such steps, or precision='fp16' for dynamic loss scaling.")
 
     # ------------------------------------------------------------------ replica functions
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
@@ -524,14 +787,16 @@ class Strategy:
 
     def _find_prepared(self, model: nn.Module) -> Prepared | None:
         for p in self._prepared:
-            if model is p.model or model is p.module:
+            if model is p.model or model is p.module or model is p.given:
                 return p
         return None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module behind a prepared model."""
+        """The user's module behind a prepared model: never a DDP wrapper nor a
+        ``torch.compile`` wrapper (``_orig_mod``), so its ``state_dict`` has the module's own
+        names. An unprepared model is returned with ``torch.compile`` wrappers removed."""
         prepared = self._find_prepared(model)
-        return prepared.module if prepared is not None else model
+        return prepared.module if prepared is not None else _uncompiled(model)
 
     # ------------------------------------------------------------------ fit
     def fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any],

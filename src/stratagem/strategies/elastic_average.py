@@ -20,7 +20,6 @@ The consensus model, and the one checkpointed and evaluated, is the center.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -66,6 +65,9 @@ class _ElasticState:
         self.center_copy: list[torch.Tensor | None] = []
         self.momentum: dict[int, torch.Tensor] = {}  # id(param) -> EAMSGD buffer
         self.eval_module: nn.Module | None = None
+        # The local step count at the last exchange: finalize exchanges only when local
+        # steps were taken since (so a second finalize is a no-op).
+        self.exchanged_at = 0
 
 
 class ElasticAveraging(Strategy):
@@ -282,23 +284,51 @@ class ElasticAveraging(Strategy):
         if self.rho > 0 or prepared.local_steps % self.period != 0:
             return  # the penalty form exchanged before the step, in _apply_update
         st: _ElasticState = prepared.state["easgd"]
+        self._exchange(st, pull_params=True)
+        st.exchanged_at = prepared.local_steps
+
+    def _exchange(self, st: _ElasticState, *, pull_params: bool) -> None:
+        """One elastic exchange: ``x~ += moving_rate * sum_i d_i`` and, for the buffers and
+        (``pull_params``) the parameters, ``x_i -= moving_rate * d_i``. Without
+        ``pull_params`` (the penalty form, where the gradient pulls) the center copy kept for
+        the penalty is updated instead."""
         a = self.moving_rate
         with torch.no_grad():
             if self.mode == "sync":
                 for idx, center in zip(st.groups, st.center_flats, strict=True):
                     group = [st.tensors[i] for i in idx]
                     d = _flatten(group).sub_(center)
-                    for t, v in zip(group, _views(d, group), strict=True):
-                        t.sub_(v, alpha=a)
+                    for i, t, v in zip(idx, group, _views(d, group), strict=True):
+                        if pull_params or not st.is_param[i]:
+                            t.sub_(v, alpha=a)
                     self.comm.all_reduce(d)  # sum_i d_i, one collective per dtype
                     center.add_(d, alpha=a)
             else:
                 assert st.table is not None
                 d_by_key = st.table.elastic_exchange(self._named(st), a)
                 self._fold_ps_bytes()
-                for k, t in zip(st.keys, st.tensors, strict=True):
-                    t.sub_(d_by_key[k], alpha=a)
+                for i, (k, t) in enumerate(zip(st.keys, st.tensors, strict=True)):
+                    d = d_by_key[k]
+                    c = st.center_copy[i] if st.center_copy else None
+                    if pull_params or not st.is_param[i]:
+                        t.sub_(d, alpha=a)
+                    elif c is not None:
+                        c.copy_(t).sub_(d, alpha=1.0 - a)  # the center after: x - (1 - a) d
         self._exchanges += 1
+
+    def _finalize(self, prepared: Prepared) -> None:
+        """A last elastic exchange when local steps were taken since the previous one, so the
+        center (the consensus that ``eval_model`` and ``save`` return) has absorbed every local
+        step, as the next scheduled exchange would have. The workers are pulled as in any
+        exchange; they do not become equal to the center (EASGD never makes them equal).
+        Sync mode: a collective, and every worker counts the same local steps, so all agree
+        on whether to exchange. Async mode: each worker exchanges with the shards alone.
+        Training may continue; a second call is a no-op."""
+        st: _ElasticState = prepared.state["easgd"]
+        if prepared.local_steps == st.exchanged_at:
+            return
+        self._exchange(st, pull_params=self.rho <= 0)
+        st.exchanged_at = prepared.local_steps
 
     def _penalty_form(self, prepared: Prepared, st: _ElasticState, opt: StrategyOptimizer
                       ) -> None:
@@ -321,11 +351,13 @@ class ElasticAveraging(Strategy):
                     if exchange:
                         self.comm.all_reduce(d)
                         center.add_(d, alpha=a)
+                        st.exchanged_at = prepared.local_steps
             else:
                 assert st.table is not None
                 if exchange:
                     d_by_key = st.table.elastic_exchange(self._named(st), a)
                     self._fold_ps_bytes()
+                    st.exchanged_at = prepared.local_steps
                 for i, (k, t) in enumerate(zip(st.keys, st.tensors, strict=True)):
                     c = st.center_copy[i]
                     if exchange:
@@ -358,8 +390,9 @@ class ElasticAveraging(Strategy):
         return [got[k] for k in st.keys]
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        """A module holding the center (built once; in async mode refreshed from the shards
-        at each call). Buffers not averaged are this worker's own."""
+        """A module of the user's class holding the center (built once; in sync mode it
+        shares the center's storage, in async mode it is refreshed from the shards at each
+        call). Buffers not averaged are this worker's own. Not a collective."""
         prepared = self._find_prepared(model)
         if prepared is None:
             return model
@@ -378,8 +411,9 @@ class ElasticAveraging(Strategy):
     def _center_module(self, module: nn.Module, st: _ElasticState) -> nn.Module:
         center = dict(zip(st.names, self._center_values(st), strict=True))
         local_buffers = dict(module.named_buffers())
-        clone = copy.deepcopy(module)
-        clone.requires_grad_(False)
+        prepared = self._find_prepared(module)
+        assert prepared is not None
+        clone = self._eval_copy(prepared)
         for n, p in clone.named_parameters():
             # Sync: a view of the center (no copy, always current). Async: the pulled values.
             p.data = center[n]

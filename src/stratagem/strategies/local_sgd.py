@@ -20,7 +20,6 @@ gathers for checkpoints) are shared with :mod:`stratagem.strategies.elastic_aver
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -164,6 +163,25 @@ class LocalSGD(Strategy):
         if step <= self.warmup_steps or step % self.period == 0:
             _average_(self.comm, self._tensors(prepared)[1])
             self._averages += 1
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """A module of the user's class holding the workers' average (what the checkpoint
+        keeps), not this worker's drifting model. A collective (one all-reduce): call it on
+        every replica. Costs one more copy of the model, made on the first call."""
+        prepared = self._find_prepared(model)
+        if prepared is None:
+            return model
+        clone = self._eval_copy(prepared)
+        with torch.no_grad():
+            clone.load_state_dict(self._checkpoint_model(prepared))
+        return clone
+
+    def _finalize(self, prepared: Prepared) -> None:
+        """Average the workers' parameters and buffers now (the average the next period would
+        make), so every replica, ``eval_model`` and ``save`` hold the same model. The schedule
+        is unchanged: training may continue."""
+        _average_(self.comm, self._tensors(prepared)[1])
+        self._averages += 1
 
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         # Between averages the replicas differ: the model to keep is their mean (what the next
@@ -322,19 +340,34 @@ class DiLoCo(Strategy):
         self._outer_steps += 1
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        """A module holding the outer (consensus) parameters ``theta_prev`` — the model the
-        checkpoint keeps — rather than this worker's drifting inner model. Costs one more copy
-        of the model, made on the first call."""
+        """A module of the user's class holding the outer (consensus) parameters
+        ``theta_prev`` — the model the checkpoint keeps — rather than this worker's drifting
+        inner model. Not a collective. Costs one more copy of the model, made on the first
+        call. After :meth:`finalize` it is the workers' average."""
         prepared = self._find_prepared(model)
         if prepared is None:
             return model
-        outer = prepared.state.get("diloco_eval")
-        if outer is None:
-            outer = copy.deepcopy(prepared.module)
-            prepared.state["diloco_eval"] = outer
+        outer = self._eval_copy(prepared)
         with torch.no_grad():
             outer.load_state_dict(self._checkpoint_model(prepared))
         return outer
+
+    def _finalize(self, prepared: Prepared) -> None:
+        """Replace the outer parameters by the plain average of the workers' current
+        parameters and set every worker to it (floating-point buffers are averaged too).
+
+        This is an outer step with ``outer_lr=1`` and no momentum on the pending
+        pseudo-gradient of every fragment: the consensus then includes every inner step, which
+        a regular Nesterov outer step would not (it extrapolates a pseudo-gradient of a
+        period that may be incomplete). The outer momentum is left as it is, so training may
+        continue: the next outer step starts from the average. Calling it twice changes
+        nothing (the workers are equal)."""
+        st: _DiLoCoState = prepared.state["diloco"]
+        _average_(self.comm, st.params)
+        _average_(self.comm, [b for b in prepared.module.buffers() if b.is_floating_point()])
+        with torch.no_grad():
+            for p, q in zip(st.params, st.prev, strict=True):
+                q.copy_(p)
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:

@@ -538,8 +538,10 @@ class ParameterServer(Strategy):
         return values
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        """``model`` with the current global parameters pulled into it (sparse embedding rows
-        are pulled by each forward anyway)."""
+        """The user's module (never a ``torch.compile`` wrapper) with the current global
+        parameters pulled into it (sparse embedding rows are pulled by each forward anyway).
+        Not a collective: call :meth:`finalize` first at the end of training so every
+        worker's last push is included."""
         prepared = self._find_prepared(model)
         if prepared is None:
             return model
@@ -553,7 +555,30 @@ class ParameterServer(Strategy):
                     st.by_key[k].copy_(v)
             st.base.update(versions)
             self._fold_ps_bytes()
-        return model
+        return prepared.module
+
+    def _finalize(self, prepared: Prepared) -> None:
+        """Flush what this worker has not pushed yet (gradients accumulated for
+        ``push_every > 1``), wait for every worker's last push to land (a barrier over the
+        process group), then pull the global model into this worker, so that every worker,
+        ``eval_model`` and ``save`` agree. Training may continue; a second call only pulls
+        again."""
+        st: _PSState = prepared.state["ps"]
+        self._install(st)
+        for ost in st.opts.values():
+            if not ost.acc:
+                continue
+            grads, bases = ost.acc, ost.acc_base
+            ost.acc, ost.acc_base = {}, {}
+            self._sync_hyperparameters(st, ost)
+            futs = self._start_push(st, grads, bases, None)
+            st.rows_pulled.clear()
+            done: concurrent.futures.Future[_Job] = concurrent.futures.Future()
+            done.set_result(self._run_job(st, futs, None, {}))
+            st.pending = done
+            self._install(st)
+        self.comm.barrier()
+        self._refresh(st)
 
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         st: _PSState = prepared.state["ps"]
