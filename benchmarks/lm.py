@@ -65,7 +65,7 @@ from convergence import (  # noqa: E402 - the shared process and store plumbing
 STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "mirrored": ("mirrored", {}, False, True),
     "local_sgd": ("local_sgd", {"period": 8}, False, True),
-    "diloco": ("diloco", {"period": 16, "outer_lr": 0.7, "outer_momentum": 0.9}, False, True),
+    "diloco": ("diloco", {"period": 32, "outer_lr": 1.0, "outer_momentum": 0.3}, False, True),
     "easgd": ("easgd", {"period": 4}, False, True),
     "ps-sync": ("ps-sync", {}, True, True),
     "ps-async": ("ps-async", {}, True, False),
@@ -512,11 +512,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 1 seed, lo + 20mbit, {', '.join(QUICK_STRATEGIES)}")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--target", type=float, default=2.5, help="validation loss to reach")
-    p.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps")
-    p.add_argument("--max-steps", type=int, default=1000, help="stop here if never reached")
+    p.add_argument("--target", type=float, default=2.8, help="validation loss to reach")
+    p.add_argument("--eval-every", type=int, default=8,
+                   help="evaluate every N steps (8 divides every period used)")
+    p.add_argument("--max-steps", type=int, default=400, help="stop here if never reached")
     p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
-    p.add_argument("--run-timeout", type=float, default=600.0, help="one job's time limit s")
+    p.add_argument("--run-timeout", type=float, default=400.0, help="one job's time limit s")
     p.add_argument("--out", default=str(RESULTS / "lm"),
                    help="output path without extension (.json, .md, .png are written)")
     p.add_argument("--from-json", metavar="PATH",

@@ -326,8 +326,8 @@ def evaluate_loss(strategy: Any, model: nn.Module, X: torch.Tensor, Y: torch.Ten
 _DEMO_RUNS: list[tuple[str, str, dict[str, Any], bool]] = [
     ("Mirrored", "mirrored", {}, False),
     ("LocalSGD (period 8)", "local_sgd", {"period": 8}, False),
-    ("DiLoCo (period 16)", "diloco", {"period": 16, "outer_lr": 0.7, "outer_momentum": 0.9},
-     False),
+    ("DiLoCo (period 32, outer Nesterov lr 1.0, momentum 0.3)", "diloco",
+     {"period": 32, "outer_lr": 1.0, "outer_momentum": 0.3}, False),
 ]
 
 
@@ -344,7 +344,8 @@ def train_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     train, val = split_corpus(encode(load_corpus()))
     X, Y = windows(train, gcfg.block_size)
     Xv, Yv = windows(val, gcfg.block_size)
-    Xv, Yv = Xv[: int(cfg.get("eval_windows", 64))], Yv[: int(cfg.get("eval_windows", 64))]
+    held_out = int(cfg.get("eval_chars", 4096)) // gcfg.block_size  # the same windows always
+    Xv, Yv = Xv[:held_out], Yv[:held_out]
     with strategy.scope():
         torch.manual_seed(seed)
         model = GPT(gcfg)
@@ -390,9 +391,11 @@ def train_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     wall = time.perf_counter() - start - paused
     metrics = strategy.metrics()
     steps = max(1, int(metrics["steps"]))
+    strategy.finalize(model)  # the reported final loss is the finalized model's (every step in)
+    final = evaluate_loss(strategy, strategy.eval_model(model), Xv, Yv)
     strategy.close()
     return {"strategy": cfg["strategy"], "workers": strategy.num_replicas_in_sync,
-            "reached": reached, "final_val_loss": curve[-1][2], "wall_seconds": wall,
+            "reached": reached, "final_val_loss": final, "wall_seconds": wall,
             "steps": int(metrics["steps"]), "curve": curve,
             "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps}
 
@@ -404,7 +407,8 @@ def demo_worker(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _table(rows: list[dict[str, Any]], target: float) -> str:
     lines = [f"| strategy | workers | steps to val loss {target} | wall s to target | "
-             "final val loss | bytes/step (rank 0) |", "|---|---|---:|---:|---:|---:|"]
+             "final val loss (finalized model) | bytes/step (rank 0) |",
+             "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         hit = r["reached"]
         lines.append(f"| {r['label']} | {r['workers']} | "
@@ -420,15 +424,15 @@ def main(argv: list[str] | None = None) -> int:
         description="A tiny character-level GPT under several strategies on this machine: "
                     "time to a fixed validation loss (see benchmarks/lm.py for shaped links).")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--target", type=float, default=2.6, help="validation loss to reach")
+    parser.add_argument("--target", type=float, default=2.8, help="validation loss to reach")
     parser.add_argument("--max-steps", type=int, default=400)
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=8)
     parser.add_argument("--out", default="stratagem-demo-lm",
                         help="directory for results.json (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
-    model: dict[str, Any] = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64,
+    model: dict[str, Any] = {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 64,
                              "dropout": 0.0}
     cfgs = [{"strategy": name, "strategy_args": sargs, "label": label, "model": model,
              "lr": 3e-3, "global_batch_size": 16 * args.workers, "target": args.target,
