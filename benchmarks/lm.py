@@ -134,6 +134,7 @@ def worker_main(cfg_path: str) -> int:
     loader = strategy.distribute_dataset((X, Y), int(cfg["global_batch"]), shuffle=True,
                                          seed=seed)
     sync, every, target = bool(cfg["sync"]), int(cfg["eval_every"]), float(cfg["target"])
+    max_wall = float(cfg["max_wall"])
     progress = None
     parties = world
     if not sync:
@@ -159,7 +160,7 @@ def worker_main(cfg_path: str) -> int:
             curve.append((wall, step, loss))
             if reached is None and loss <= target:
                 reached = (wall, step, loss)
-            stop = reached is not None
+            stop = reached is not None or wall > max_wall
             ctrl.set(f"{_TAG}go/{step}", "stop" if stop else "go")
         else:
             stop = ctrl.get(f"{_TAG}go/{step}") == b"stop"
@@ -250,6 +251,7 @@ def evaluator_main(cfg_path: str) -> int:
             next_at = (math.floor(mean / every) + 1) * every
             if reached is None and loss <= target:
                 reached = {"wall": wall, "step": mean, "val_loss": loss}
+            if reached is not None or wall > float(cfg["max_wall"]):
                 store.set(f"{_TAG}stop", "1")
                 break
         if done:
@@ -280,6 +282,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
            "eval_every": args.eval_every, "target": args.target, "max_steps": args.max_steps,
+           "max_wall": args.max_wall,
            "timeout": args.timeout, "result_dir": str(run_dir), "model": MODEL, "lr": LR,
            "global_batch": GLOBAL_BATCH}
     cfg_path = run_dir / "cfg.json"
@@ -399,7 +402,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "same seeds and data order for every strategy, text of `stratagem.demo_lm` (the "
         "Python documentation shipped with the interpreter). The consensus model "
         f"(`eval_model`) is scored on {EVAL_CHARS:,} held-out characters every "
-        f"{meta['eval_every']} steps; at most {meta['max_steps']} steps. Wall = training "
+        f"{meta['eval_every']} steps; a run stops at the target, after {meta['max_steps']} "
+        f"steps or after {meta['max_wall']:g} s of training. Wall = training "
         "wall-clock from a common start (start-up and evaluation pauses excluded; ps-async is "
         "watched by a separate evaluator and its wall is real time). Medians over seeds "
         f"0..N-1, N per link {meta['seeds_per_link']} (an unreached target counts as "
@@ -516,6 +520,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=8,
                    help="evaluate every N steps (8 divides every period used)")
     p.add_argument("--max-steps", type=int, default=400, help="stop here if never reached")
+    p.add_argument("--max-wall", type=float, default=90.0,
+                   help="stop a run after this many seconds of training if the target is "
+                        "not reached (counted as not reached)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
     p.add_argument("--run-timeout", type=float, default=400.0, help="one job's time limit s")
     p.add_argument("--out", default=str(RESULTS / "lm"),
@@ -585,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "command": "python benchmarks/lm.py " + " ".join(argv or sys.argv[1:]),
         "workers": args.workers, "target": args.target, "eval_every": args.eval_every,
-        "max_steps": args.max_steps, "seeds_per_link": per_link, "links": links,
+        "max_steps": args.max_steps, "max_wall": args.max_wall, "seeds_per_link": per_link,
+        "links": links,
         "strategies": {k: STRATEGIES[k][1] for k in strategies}, "cpus": os.cpu_count(),
         "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "python": platform.python_version(), "model": MODEL,

@@ -118,14 +118,22 @@ def test_gpt_one_process_then_resume(monkeypatch, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("name,kwargs", [("mirrored", {}), ("diloco", {"period": 2}),
-                                         ("local_sgd", {"period": 2})])
+                                         ("local_sgd", {"period": 2}), ("ps-sync", {})])
 def test_gpt_two_thread_ranks(name, kwargs, tmp_path):
     import stratagem as sg
+    from stratagem.ps.server import start_local_shards
 
     main = _gpt_example()["main"]
     argv = ["--tiny", "--global-accumulation-steps", "4", "--out-dir", str(tmp_path)]
-    results = run_ranks(lambda comm: main(argv, sg.from_name(name, comm=comm, **kwargs)), 2,
-                        timeout=90.0)
+    servers, addrs = start_local_shards(1) if name.startswith("ps") else ([], [])
+    if addrs:
+        kwargs = {**kwargs, "ps_addresses": addrs}
+    try:
+        results = run_ranks(lambda comm: main(argv, sg.from_name(name, comm=comm, **kwargs)),
+                            2, timeout=90.0)
+    finally:
+        for server in servers:
+            server.stop(0)
     for r in results:
         assert r["steps"] == 6
         assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"])
