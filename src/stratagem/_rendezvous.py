@@ -90,8 +90,10 @@ def loopback_tcp_store(host: str = "127.0.0.1", port: int = 0, *,
         raise ValueError(f"loopback_tcp_store needs a loopback host (127.0.0.1, ::1, localhost), "
                          f"got {host!r}; a store other machines must reach is created by torch "
                          "itself (TCPStore(host, port, is_master=True) listens on every interface)")
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    # IPv4 first: "localhost" may resolve to ::1 first while clients try 127.0.0.1 first.
+    family, kind, proto, _, address = min(
+        socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM),
+        key=lambda info: info[0] != socket.AF_INET)
     sock = socket.socket(family, kind, proto)
     try:
         # As torch does for its own listening socket: a fixed port whose previous owner's
