@@ -5,8 +5,9 @@ picks a free port for single-node jobs, optionally starts parameter-server shard
 exports the strategy choice for ``sg.from_env()``, forwards SIGINT/SIGTERM and propagates
 torchrun's exit code. Single-node jobs listen on loopback only (issue 10): torchrun runs as
 ``python -m stratagem._torchrun``, whose agent store binds 127.0.0.1 instead of every
-interface, and the workers' gloo/NCCL sockets are pinned to the loopback interface. Subcommands are registered with :func:`subcommand`; modules behind
-``ps``, ``demo`` and ``bench`` are imported only when that subcommand runs.
+interface, and the workers' gloo/NCCL sockets are pinned to the loopback interface.
+Subcommands are registered with :func:`subcommand`; modules behind ``ps``, ``demo`` and
+``bench`` are imported only when that subcommand runs.
 """
 
 from __future__ import annotations
