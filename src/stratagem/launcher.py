@@ -2,7 +2,10 @@
 
 The parent process hosts the c10d ``TCPStore`` (like torchrun's agent store) so the store
 outlives any worker; workers find it through the usual environment variables and connect as
-clients. Results come back as bytes written with the standard :mod:`pickle` (real copies of
+clients. The store listens on 127.0.0.1 only (issue 10: torch's own ``TCPStore`` would listen
+on every interface, unauthenticated; see :mod:`stratagem._rendezvous`), and the workers'
+collective backends are pinned to the loopback interface, so a job started here cannot be
+reached from other machines. Results come back as bytes written with the standard :mod:`pickle` (real copies of
 tensors, never shared memory that dies with the worker). The first failure stops every other
 worker (SIGTERM, then SIGKILL after a grace period), so no process outlives the call.
 
@@ -10,7 +13,8 @@ Environment given to every worker (the contract ``Comm.from_env`` relies on)::
 
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
     TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT=0,
-    OMP_NUM_THREADS=1 (unless set), and with parameter-server shards
+    OMP_NUM_THREADS=1 (unless set), GLOO_SOCKET_IFNAME=lo and NCCL_SOCKET_IFNAME=lo (unless
+    set, and only with a loopback MASTER_ADDR), and with parameter-server shards
     STRATAGEM_PS_ADDRS=host:port,... and STRATAGEM_NUM_PS=K.
 """
 
@@ -38,6 +42,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, cast
 
+from stratagem._rendezvous import is_loopback, loopback_env, loopback_tcp_store
 from stratagem.errors import ParameterServerUnavailable, WorkerError
 
 __all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker_env"]
@@ -97,6 +102,10 @@ def worker_env(*, rank: int, world_size: int, master_port: int,
     if "OMP_NUM_THREADS" not in base:
         # N busy processes on a few cores: one intra-op thread each avoids oversubscription.
         env["OMP_NUM_THREADS"] = "1"
+    if is_loopback(master_addr):
+        # Issue 10: gloo (and NCCL's bootstrap) would otherwise listen on the address the host
+        # name resolves to, usually a LAN address, though every peer is on this machine.
+        env.update(loopback_env(base))
     if ps_addrs:
         env["STRATAGEM_PS_ADDRS"] = ",".join(ps_addrs)
         env["STRATAGEM_NUM_PS"] = str(len(ps_addrs))
@@ -464,15 +473,13 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         raise ValueError(f"restart must be 'all' or 'failed', got {restart!r}; 'failed' restarts "
                          "only the dead worker (async strategies without a process group)")
     _check_picklable_target(fn)
-    from torch.distributed import TCPStore  # torch is heavy: import only when launching
-
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     shards: PSShards | None = None
     sup: _Supervisor | None = None
-    # Port 0 lets the OS pick a free port with no race; the store lives as long as this call.
-    store = TCPStore(_MASTER_ADDR, 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=60))
+    # Port 0 lets the OS pick a free port with no race; the store lives as long as this call
+    # and listens on loopback only (issue 10).
+    store = loopback_tcp_store(_MASTER_ADDR, 0, timeout=timedelta(seconds=60))
     try:
         if num_ps:
             shards = start_ps_shards(num_ps)
