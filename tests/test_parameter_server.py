@@ -160,17 +160,23 @@ def test_backup_workers_make_progress_and_drop_late_gradients(shards):
                 if s.global_version >= target:
                     break
         m = s.metrics()
+        with torch.no_grad():
+            final = float(F.cross_entropy(s.eval_model(model)(data[0]), data[1]))
         s.close()
-        return losses, m
+        return losses, m, final
 
     results = run_ranks(job, 3)
-    pushes = sum(m["pushes"] for _, m in results)
-    dropped = sum(m["dropped_gradients"] for _, m in results)
+    pushes = sum(m["pushes"] for _, m, _ in results)
+    dropped = sum(m["dropped_gradients"] for _, m, _ in results)
     # Every version took exactly two gradients; the rest arrived late and were dropped.
     assert set(_shard_versions(shards).values()) == {target}
     # (A push may be dropped for some tensors only: each tensor aggregates on its own.)
     assert pushes - dropped <= 2 * target and dropped >= 1
-    assert all(sum(losses[-3:]) < sum(losses[:3]) for losses, _ in results)
+    # Progress is judged on the global model over the whole data set: how many of the 15
+    # versions each worker's own (noisy, per-batch) losses span depends on scheduling.
+    with torch.no_grad():
+        initial = float(F.cross_entropy(make_model()(data[0]), data[1]))
+    assert all(final < initial - 0.05 for _, _, final in results), (initial, results)
 
 
 # ---------------------------------------------------------------------- arguments
