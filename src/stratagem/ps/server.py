@@ -185,9 +185,10 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-class _Abort(Exception):
+class _Abort:
+    """A refusal: the gRPC status name and the explanation sent to the caller."""
+
     def __init__(self, status: str, detail: str) -> None:
-        super().__init__(detail)
         self.status, self.detail = status, detail
 
 
@@ -275,6 +276,7 @@ class ShardServer:
         self._executor: futures.ThreadPoolExecutor | None = None
         self._changed: asyncio.Event | None = None
         self._num_waiters = 0
+        self._in_flight = 0  # authenticated calls being served (on the loop thread only)
         self._throttle = _Throttle()
         self._started = time.monotonic()
         self._ops: dict[str, Callable[[Message], bytes]] = {
@@ -401,7 +403,8 @@ class ShardServer:
                        f"parameter-server shard {self.address} refused a call from {peer}: "
                        f"{status}: {detail[:300]}")
 
-    async def _handle(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> bytes:
+    async def _handle(self, request_iterator: Any, context: grpc.aio.ServicerContext
+                      ) -> bytes | _Abort:
         peer = context.peer() or "?"
         if not self._authorized(context.invocation_metadata()):
             detail = ("missing or wrong parameter-server token; set STRATAGEM_PS_TOKEN "
@@ -409,23 +412,30 @@ class ShardServer:
                       "token")
             self._refused("UNAUTHENTICATED", peer, "missing or wrong token")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)
+        self._in_flight += 1
         try:
             reply = await self._serve_call(context)
-        except _Abort as exc:
-            self._refused(exc.status, peer, exc.detail)
-            await context.abort(getattr(grpc.StatusCode, exc.status), exc.detail)
+        finally:
+            self._in_flight -= 1
+        if isinstance(reply, _Abort):
+            self._refused(reply.status, peer, reply.detail)
+            await context.abort(getattr(grpc.StatusCode, reply.status), reply.detail)
         return reply
 
-    async def _serve_call(self, context: grpc.aio.ServicerContext) -> bytes:
+    async def _serve_call(self, context: grpc.aio.ServicerContext) -> bytes | _Abort:
+        """The reply, or the refusal as a value: never a raised exception here, because an
+        exception's traceback would keep this frame (and the request's megabytes) alive in
+        a reference cycle until the next garbage collection."""
         try:
             request = await asyncio.wait_for(context.read(), timeout=self.body_timeout)
         except asyncio.TimeoutError:
-            raise _Abort("DEADLINE_EXCEEDED", f"request body not received within "
-                         f"body_timeout={self.body_timeout:g} s") from None
+            return _Abort("DEADLINE_EXCEEDED", f"request body not received within "
+                          f"body_timeout={self.body_timeout:g} s")
         if not isinstance(request, bytes):
-            raise _Abort("INVALID_ARGUMENT", "the call carried no request message")
+            return _Abort("INVALID_ARGUMENT", "the call carried no request message")
         assert self._loop is not None and self._executor is not None
         loop = asyncio.get_running_loop()
+        failure: _Abort
         try:
             msg = await loop.run_in_executor(self._executor, self._decode, request)
             del request
@@ -433,15 +443,17 @@ class ShardServer:
                 return await self._wait_version(msg, context)
             return await loop.run_in_executor(self._executor, self._dispatch, msg)
         except WireError as exc:
-            raise _Abort(exc.status, str(exc)) from None
+            failure = _Abort(exc.status, str(exc))
         except (ValueError, TypeError) as exc:
-            raise _Abort("INVALID_ARGUMENT", str(exc)) from None
+            failure = _Abort("INVALID_ARGUMENT", str(exc))
         except RuntimeError as exc:
             if self._stopped.is_set():  # the executor is shut down: we are stopping
-                raise _Abort("UNAVAILABLE", "the shard is stopping") from None
-            raise self._internal(exc) from None
+                failure = _Abort("UNAVAILABLE", "the shard is stopping")
+            else:
+                failure = self._internal(exc)
         except Exception as exc:  # noqa: BLE001 - a shard must survive any single request
-            raise self._internal(exc) from None
+            failure = self._internal(exc)
+        return failure
 
     def _internal(self, exc: BaseException) -> _Abort:
         where = exc.__traceback__
@@ -627,6 +639,7 @@ class ShardServer:
             "ok": True, "pid": os.getpid(), "num_tensors": len(slots),
             "bytes": sum(s.value.nbytes for s in slots), "dropped": sum(s.dropped for s in slots),
             "charged_bytes": charged, "max_bytes": self.max_bytes,
+            "calls_in_flight": self._in_flight,
             "uptime_seconds": time.monotonic() - self._started,
             "versions": {s.name: s.version for s in slots},
             # As a request handler sees it: the width of each optimizer step (see serve()).
