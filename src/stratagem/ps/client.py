@@ -397,6 +397,32 @@ class ShardedParameters:
         names = self.names
         return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
 
+    def join(self, *, register: bool, timeout: float | None = None,
+             poll: float = 0.05) -> dict[str, torch.Tensor]:
+        """Start from the shards' values: :meth:`register` them (``register=True``, the chief's
+        part) or wait until they are registered and pull them (everybody else), so every
+        worker starts from the chief's initial values rather than whichever registered first.
+
+        Raises :class:`stratagem.errors.PeerTimeoutError` if nothing is registered within
+        ``timeout`` seconds (default: the client's timeout).
+        """
+        if register:
+            return self.register()
+        wait = self.client.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.pull()
+            except RemoteError as exc:
+                if exc.code != "NOT_FOUND":
+                    raise
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(
+                        f"the chief (replica 0) did not register the parameters on the "
+                        f"parameter-server shards within {wait:g} s ({exc}); check that it "
+                        "started, or raise timeout=") from None
+            time.sleep(poll)
+
     def pull_async(self, names: Sequence[str] | None = None, *,
                    into: Mapping[str, torch.Tensor] | None = None
                    ) -> PSFuture[dict[str, torch.Tensor]]:

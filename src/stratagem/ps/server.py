@@ -102,8 +102,12 @@ def _int(fields: dict[str, Any], key: str, default: int | None = None, *,
 
 def _float(fields: dict[str, Any], key: str, default: float | None = None) -> float:
     v = fields.get(key, default)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise _err(f"field {key!r} must be a finite number, got {v!r}")
+    try:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an integer beyond float range
+        ok = False
+    if not ok:
+        raise _err(f"field {key!r} must be a finite number, got {str(v)[:40]}")
     return float(v)
 
 
@@ -437,11 +441,13 @@ class ShardServer:
         loop = asyncio.get_running_loop()
         failure: _Abort
         try:
-            msg = await loop.run_in_executor(self._executor, self._decode, request)
+            # One hop to a tensor thread: decode and run the op there (the loop only moves
+            # bytes); wait_version comes back decoded and waits on the loop.
+            out = await loop.run_in_executor(self._executor, self._run, request)
             del request
-            if msg.op == "wait_version":
-                return await self._wait_version(msg, context)
-            return await loop.run_in_executor(self._executor, self._dispatch, msg)
+            if isinstance(out, Message):
+                return await self._wait_version(out, context)
+            return out
         except WireError as exc:
             failure = _Abort(exc.status, str(exc))
         except (ValueError, TypeError) as exc:
@@ -477,7 +483,10 @@ class ShardServer:
                        "each tensor once")
         return msg
 
-    def _dispatch(self, msg: Message) -> bytes:
+    def _run(self, request: bytes) -> bytes | Message:
+        msg = self._decode(request)
+        if msg.op == "wait_version":
+            return msg
         return self._ops[msg.op](msg)
 
     # -- helpers --------------------------------------------------------------------------
