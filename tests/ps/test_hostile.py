@@ -582,3 +582,35 @@ def test_launcher_shards_get_a_fresh_token_through_a_private_file() -> None:
                              timeout=60, text=True)
         assert out.stdout.strip() == "True", out.stderr
         assert all(p.poll() is None for p in shards.procs)
+
+
+def test_a_failing_slot_logs_one_line_not_a_traceback_per_push(shard, good, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="stratagem.ps.server")
+    client = PSClient([shard.address], token=TOKEN, timeout=5)
+    table = ShardedParameters(client, {"broken": torch.zeros(3)},
+                              optimizer_spec={"name": "adam", "lr": 0.1})
+    table.register()
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("exp_avg")
+
+    shard._slots["broken"].optimizer.step = boom  # type: ignore[union-attr,method-assign]
+    for _ in range(20):
+        with pytest.raises(RemoteError, match="KeyError") as info:
+            table.push({"broken": torch.ones(3)})
+        assert info.value.code == "INTERNAL"
+        good.step()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None, [r.getMessage() for r in errors]
+    assert "KeyError" in errors[0].getMessage()
+    client.close()
+
+
+def test_a_finite_gradient_whose_sum_overflows_is_accepted(shard) -> None:
+    with PSClient([shard.address], token=TOKEN, timeout=5) as client:
+        table = ShardedParameters(client, {"big_values": torch.zeros(4)},
+                                  optimizer_spec={"name": "sgd", "lr": 1e-30})
+        table.register()
+        g = torch.full((4,), 3e38)  # finite, but the float32 sum is inf
+        assert table.push({"big_values": g})["big_values"].applied
+        assert_close(table.pull()["big_values"], torch.full((4,), -3e8))
