@@ -219,8 +219,8 @@ def start_ps_shards(num_ps: int, *, host: str = _MASTER_ADDR,
         token = secrets.token_urlsafe(32)
         token_file = os.path.join(tmpdir, "token")
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
+        with os.fdopen(fd, "w") as tf:
+            tf.write(token)
     make = command or (lambda f: ps_server_command(f, host, token_file))
     procs: list[subprocess.Popen[bytes]] = []
     shards = PSShards(procs, [], tmpdir, token, token_file)

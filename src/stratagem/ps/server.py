@@ -106,7 +106,7 @@ def _float(fields: dict[str, Any], key: str, default: float | None = None) -> fl
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     except OverflowError:  # an integer beyond float range
         ok = False
-    if not ok:
+    if not ok or not isinstance(v, (int, float)):
         raise _err(f"field {key!r} must be a finite number, got {str(v)[:40]}")
     return float(v)
 
