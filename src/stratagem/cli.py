@@ -370,14 +370,34 @@ def _supervise(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def _configure_ps(p: argparse.ArgumentParser) -> None:
+    # The same flags as ``python -m stratagem.ps.server`` (stratagem.ps.server.
+    # add_limit_arguments), spelled out here so `stratagem --help` need not import grpc.
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (0.0.0.0 to accept other machines)")
+                   help="address to bind (0.0.0.0 or :: to accept other machines: then use "
+                        "a token and TLS)")
     p.add_argument("--port", type=_nonneg_int, required=True, help="port (0: pick a free one)")
     p.add_argument("--port-file", default=None, help="write the bound port here once listening")
     p.add_argument("--token-file", default=None,
-                   help="file holding the shared token (default: env STRATAGEM_PS_TOKEN)")
+                   help="file holding the shared token (default: the file in env "
+                        "STRATAGEM_PS_TOKEN_FILE, then env STRATAGEM_PS_TOKEN); an empty "
+                        "token is an error")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    p.add_argument("--max-bytes", type=_nonneg_int, default=8 << 30,
+                   help="quota on registered tensors plus optimizer state, in bytes "
+                        "(default %(default)s = 8 GiB)")
+    p.add_argument("--max-message-bytes", type=_nonneg_int, default=1 << 30,
+                   help="largest request or reply in bytes (default %(default)s)")
+    p.add_argument("--max-concurrent-streams", type=_nonneg_int, default=32,
+                   help="calls one connection may have in flight (default %(default)s)")
+    p.add_argument("--max-connection-age", type=float, default=3600.0,
+                   help="seconds before a connection is recycled (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=120.0,
+                   help="seconds a request body may take to arrive (default %(default)s)")
+    p.add_argument("--threads", type=_nonneg_int, default=4,
+                   help="threads for tensor work (default %(default)s)")
+    p.add_argument("--intra-op-threads", type=_nonneg_int, default=1,
+                   help="torch intra-op threads per optimizer step (0: torch's default)")
 
 
 def _import_or_explain(command: str, module: str) -> Any | None:
@@ -392,23 +412,12 @@ def _import_or_explain(command: str, module: str) -> Any | None:
 @subcommand("ps", "start one parameter-server shard (for multi-machine jobs)",
             configure=_configure_ps)
 def _ps(args: argparse.Namespace) -> int:
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("stratagem ps: error: TLS needs both --tls-cert and --tls-key, got only "
-              f"{'--tls-cert' if args.tls_cert else '--tls-key'}", file=sys.stderr)
-        return 2
-    token = None  # ShardServer reads STRATAGEM_PS_TOKEN itself when no token is given
-    if args.token_file is not None:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as e:
-            print(f"stratagem ps: error: cannot read --token-file: {e}", file=sys.stderr)
-            return 2
     server = _import_or_explain("ps", "stratagem.ps.server")
     if server is None:
         return 2
-    server.serve(args.host, args.port, token=token, tls_cert=args.tls_cert,
-                 tls_key=args.tls_key, port_file=args.port_file)
-    return 0
+    # One start-up line (address, auth, TLS, limits) and rate-limited refusal lines go to
+    # the log; start-up errors (empty token, bad TLS material, port in use) are one line.
+    return int(server.serve_from_args(args, "stratagem ps"))
 
 
 def _delegate(command: str, module: str) -> Callable[[list[str]], int]:

@@ -233,9 +233,9 @@ class ElasticAveraging(Strategy):
             self._client = PSClient(self.ps_addresses, timeout=self.timeout)
             self._client.wait_ready(timeout=self.timeout)
         st.table = ShardedParameters(self._client, self._named(st), mode="elastic")
-        # First registration wins: a worker starting (or restarting) after others gets the
-        # current center here and starts from it.
-        center = st.table.register()
+        # The chief registers the center from its initial model, the others wait for it and
+        # pull (issue 11); a worker (re)starting later gets the current center either way.
+        center = st.table.join(register=self.is_chief, timeout=self.timeout)
         self._fold_ps_bytes()
         with torch.no_grad():
             for k, t in zip(st.keys, st.tensors, strict=True):
