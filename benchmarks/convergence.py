@@ -346,6 +346,8 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
             env.update(worker_env(rank=r, world_size=W, master_port=store.port,
                                   master_addr=host,
                                   ps_addrs=shards.addresses if shards else (), base={}))
+            if shards is not None:
+                env.update(shards.env())  # the job's shard token file
             env["OMP_NUM_THREADS"] = "1"
             env["PYTHONPATH"] = child_pythonpath(env)
             if r < W:

@@ -96,6 +96,7 @@ def main() -> None:
     params = sum(p.numel() for p in make_model(args.hidden).parameters())
     rows: list[dict[str, Any]] = []
     with start_ps_shards(1) as shards:
+        os.environ.update(shards.env())  # the strategy's PSClient reads the token file
         for mode in args.modes.split(","):
             got: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
             compute: list[float] = []

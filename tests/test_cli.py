@@ -65,7 +65,8 @@ def test_torchrun_command_single_and_multi_node() -> None:
     parser = cli.build_parser()
     single = cli.torchrun_command(parser.parse_args(
         ["run", "--nproc", "2", "--max-restarts", "1", "train.py", "--lr", "0.1"]))
-    assert single[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    # Single node: torchrun with a loopback-only agent store (issue 10).
+    assert single[1:5] == ["-m", "stratagem._torchrun", "--nproc-per-node", "2"]
     assert single[-3:] == ["train.py", "--lr", "0.1"]
     i = single.index("--master-port")
     assert int(single[i + 1]) > 0 and "--standalone" not in single

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model
 from torch import nn
 
 import stratagem as sg
@@ -64,8 +66,18 @@ def _lr(it: int, *, warmup: int = 2, total: int = 6, peak: float = 3e-3) -> floa
     return 0.1 * peak + 0.5 * (1.0 + math.cos(math.pi * ratio)) * 0.9 * peak
 
 
+def _generate(model: TinyGPT, steps: int = 12) -> list[int]:
+    """Greedy decoding from token 0 (what nanoGPT's sample.py does, without sampling)."""
+    idx = torch.zeros(1, 1, dtype=torch.int64)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits, _ = model(idx[:, -BLOCK:])
+            idx = torch.cat([idx, logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
+    return idx[0].tolist()
+
+
 def _loop(strategy: sg.Strategy, rank: int, *, compile_model: bool = False,
-          iters: int = 6) -> dict[str, object]:
+          iters: int = 6, path: Path | None = None) -> dict[str, object]:
     torch.manual_seed(0)
     with strategy.scope():
         model = TinyGPT()
@@ -105,6 +117,20 @@ def _loop(strategy: sg.Strategy, rank: int, *, compile_model: bool = False,
         "groups": [len(g["params"]) for g in optimizer.param_groups],
         "steps": strategy.metrics()["steps"],
     }
+    if path is not None:
+        # nanoGPT's checkpoint: model, optimizer, iteration and the model's arguments.
+        strategy.save(path, model=model_p, optimizer=optimizer, step=iters,
+                      model_args={"vocab": VOCAB, "block": BLOCK, "dim": DIM})
+        if strategy.is_chief:
+            assert sg.checkpoint.read_extras(path)["model_args"]["vocab"] == VOCAB
+            plain = TinyGPT()
+            load_model(plain, Path(path) / "model.safetensors")  # strict: every name, once
+            out["plain_tied"] = plain.lm_head.weight is plain.wte.weight
+            with torch.no_grad():
+                out["saved_is_eval_model"] = all(
+                    torch.equal(a, b.float()) for a, b in
+                    zip(plain.state_dict().values(), ev.state_dict().values()))
+            out["generated"] = _generate(plain)
     strategy.close()
     return out
 
@@ -115,7 +141,7 @@ STRATEGIES = ["one_device", "mirrored", "local_sgd", "diloco", "easgd", "easgd-a
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_nanogpt_style_loop_runs_under_every_strategy(name, precision):
+def test_nanogpt_style_loop_runs_under_every_strategy(name, precision, tmp_path):
     servers, addrs = start_local_shards(2) if ("ps" in name or "async" in name) else ([], [])
     world = 1 if name == "one_device" else 2
 
@@ -128,7 +154,7 @@ def test_nanogpt_style_loop_runs_under_every_strategy(name, precision):
         if addrs:
             kw.update(ps_addresses=addrs, timeout=10)
         s = sg.OneDevice(**kw) if name == "one_device" else sg.from_name(name, comm=comm, **kw)
-        return _loop(s, comm.rank)
+        return _loop(s, comm.rank, path=tmp_path / "ckpt")
 
     try:
         results = run_ranks(job, world)
@@ -142,6 +168,10 @@ def test_nanogpt_style_loop_runs_under_every_strategy(name, precision):
         assert r["groups"] == [4, 6]  # both AdamW groups kept (the tied weight once)
         assert r["lrs"] == [_lr(i) for i in range(6)]
         assert r["steps"] >= 3  # fp16 may skip the first steps while the scale settles
+    chief = results[0]
+    assert chief["plain_tied"], "the saved model must re-tie lm_head to wte in a plain module"
+    assert chief["saved_is_eval_model"], "the saved model must be the evaluated (consensus) model"
+    assert len(chief["generated"]) == 13 and all(0 <= t < VOCAB for t in chief["generated"])
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -160,17 +160,23 @@ def test_backup_workers_make_progress_and_drop_late_gradients(shards):
                 if s.global_version >= target:
                     break
         m = s.metrics()
+        with torch.no_grad():
+            final = float(F.cross_entropy(s.eval_model(model)(data[0]), data[1]))
         s.close()
-        return losses, m
+        return losses, m, final
 
     results = run_ranks(job, 3)
-    pushes = sum(m["pushes"] for _, m in results)
-    dropped = sum(m["dropped_gradients"] for _, m in results)
+    pushes = sum(m["pushes"] for _, m, _ in results)
+    dropped = sum(m["dropped_gradients"] for _, m, _ in results)
     # Every version took exactly two gradients; the rest arrived late and were dropped.
     assert set(_shard_versions(shards).values()) == {target}
     # (A push may be dropped for some tensors only: each tensor aggregates on its own.)
     assert pushes - dropped <= 2 * target and dropped >= 1
-    assert all(sum(losses[-3:]) < sum(losses[:3]) for losses, _ in results)
+    # Progress is judged on the global model over the whole data set: how many of the 15
+    # versions each worker's own (noisy, per-batch) losses span depends on scheduling.
+    with torch.no_grad():
+        initial = float(F.cross_entropy(make_model()(data[0]), data[1]))
+    assert all(final < initial - 0.05 for _, _, final in results), (initial, results)
 
 
 # ---------------------------------------------------------------------- arguments
@@ -541,3 +547,38 @@ def test_sync_timeout_names_the_dead_worker(shards):
 
     ranks, message = run_ranks(job, 2, heartbeat=True, comm_timeout=5.0, timeout=60)[0]
     assert ranks == (1,) and "Worker rank(s) 1" in message and "replicas_to_aggregate" in message
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_every_worker_starts_from_the_chiefs_initial_weights(shards, monkeypatch, mode):
+    # Issue 11: the chief registers, the others wait and pull. The chief's registration is
+    # slowed down so that, were registration "first wins", worker 1 would win.
+    register = ShardedParameters.register
+
+    def slow_register(self: ShardedParameters) -> dict[str, torch.Tensor]:
+        time.sleep(0.5)
+        return register(self)
+
+    monkeypatch.setattr(ShardedParameters, "register", slow_register)
+
+    def initial(seed: int) -> nn.Linear:
+        # A different initial model on every worker (own generator: ranks are threads).
+        g = torch.Generator().manual_seed(seed)
+        model = nn.Linear(4, 3)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        return model
+
+    def rank(comm: Comm) -> dict[str, torch.Tensor]:
+        s = _ps(shards, comm, mode=mode)
+        with s.scope():
+            model = initial(100 + comm.rank)
+            model, _ = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        s.close()
+        return out
+
+    chief = initial(100).state_dict()
+    for got in run_ranks(rank, 2):
+        assert_states_close(got, chief, atol=0, rtol=0)

@@ -21,7 +21,7 @@ from helpers import make_data, make_model
 
 from stratagem.comm import Comm
 from stratagem.errors import ParameterServerUnavailable
-from stratagem.launcher import child_pythonpath, start_ps_shards
+from stratagem.launcher import PSShards, child_pythonpath, start_ps_shards
 from stratagem.ps.client import PSClient
 from stratagem.strategies.parameter_server import ParameterServer
 
@@ -67,11 +67,12 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _spawn(script: Path, args: list[str], addrs: list[str]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "STRATAGEM_PS_ADDRS": ",".join(addrs), "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = child_pythonpath(env)
+def _spawn(script: Path, args: list[str], shards: PSShards) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "STRATAGEM_PS_TOKEN"):
         env.pop(k, None)
+    env.update(shards.env())  # addresses and the job's token file
+    env["PYTHONPATH"] = child_pythonpath(env)
     return subprocess.Popen([sys.executable, str(script), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -81,10 +82,10 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float) -> str:
     return out.decode(errors="replace")
 
 
-def _shard_state(addrs: list[str]) -> tuple[dict[str, torch.Tensor], int]:
+def _shard_state(shards: PSShards) -> tuple[dict[str, torch.Tensor], int]:
     from stratagem.ps.client import ShardedParameters
 
-    with PSClient(addrs, timeout=10) as client:
+    with PSClient(shards.addresses, token=shards.token, timeout=10) as client:
         table = ShardedParameters(client, dict(make_model().named_parameters()), mode="elastic")
         values = table.pull()
         return values, min(table.versions.values())
@@ -101,7 +102,7 @@ def test_killed_worker_leaves_shard_and_others_running_and_restart_pulls_first(t
             # Worker 1 is slow so it is surely still training when it is killed.
             delay = "0.2" if i == 1 else "0.01"
             procs.append(_spawn(script, [str(i), "60", str(tmp_path / f"out{i}.json"),
-                                         str(tmp_path / f"progress{i}"), delay], addrs))
+                                         str(tmp_path / f"progress{i}"), delay], shards))
         progress = tmp_path / "progress1"
         deadline = time.monotonic() + 90
         while not (progress.exists() and progress.read_text().strip() not in ("", "1", "2")):
@@ -120,10 +121,10 @@ def test_killed_worker_leaves_shard_and_others_running_and_restart_pulls_first(t
 
         # Restart worker 1 with the shard quiescent: it must hold the shard's current values
         # (and version) before its first push, which is therefore not stale.
-        values, version = _shard_state(addrs)
+        values, version = _shard_state(shards)
         assert version >= 120
         restart = _spawn(script, ["1", "3", str(tmp_path / "out1b.json"),
-                                  str(tmp_path / "progress1b"), "0"], addrs)
+                                  str(tmp_path / "progress1b"), "0"], shards)
         out = _wait(restart, 120)
         assert restart.returncode == 0, out
         again = json.loads((tmp_path / "out1b.json").read_text())
@@ -133,14 +134,16 @@ def test_killed_worker_leaves_shard_and_others_running_and_restart_pulls_first(t
         # Its first push was computed on those values (later ones are one fetch behind:
         # prefetch), so nothing it pushed was stale beyond that.
         assert again["staleness"].get("0", 0) >= 1 and set(again["staleness"]) <= {"0", "1"}
-        with PSClient(addrs, timeout=10) as client:
+        with PSClient(addrs, token=shards.token, timeout=10) as client:
             assert client.health()[0]["ok"]
 
 
 @pytest.mark.timeout(60)
-def test_dead_shard_raises_naming_its_address_within_the_deadline():
+def test_dead_shard_raises_naming_its_address_within_the_deadline(monkeypatch):
     with start_ps_shards(1) as shards:
         addr = shards.addresses[0]
+        for k, v in shards.env().items():  # addresses and the job's token file
+            monkeypatch.setenv(k, v)
         s = ParameterServer(mode="async", ps_addresses=shards.addresses, comm=Comm.single(),
                             timeout=2.0)
         with s.scope():

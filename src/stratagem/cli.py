@@ -3,8 +3,11 @@
 ``stratagem run`` is a thin layer over torchrun (``python -m torch.distributed.run``): it
 picks a free port for single-node jobs, optionally starts parameter-server shards first,
 exports the strategy choice for ``sg.from_env()``, forwards SIGINT/SIGTERM and propagates
-torchrun's exit code. Subcommands are registered with :func:`subcommand`; modules behind
-``ps``, ``demo`` and ``bench`` are imported only when that subcommand runs.
+torchrun's exit code. Single-node jobs listen on loopback only (issue 10): torchrun runs as
+``python -m stratagem._torchrun``, whose agent store binds 127.0.0.1 instead of every
+interface, and the workers' gloo/NCCL sockets are pinned to the loopback interface.
+Subcommands are registered with :func:`subcommand`; modules behind ``ps``, ``demo`` and
+``bench`` are imported only when that subcommand runs.
 """
 
 from __future__ import annotations
@@ -40,21 +43,23 @@ class _Command:
     configure: Callable[[argparse.ArgumentParser], None] | None
     handler: Callable[..., int]
     passthrough: bool  # the handler takes the raw argv (the subcommand parses its own flags)
+    epilog: str | None = None  # shown after the options by --help, line breaks kept
 
 
 _COMMANDS: dict[str, _Command] = {}
 
 
 def subcommand(name: str, help: str, *, configure: Callable[[argparse.ArgumentParser], None]
-               | None = None, passthrough: bool = False) -> Callable[[Callable[..., int]],
-                                                                     Callable[..., int]]:
+               | None = None, passthrough: bool = False, epilog: str | None = None
+               ) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """Register ``handler(args: argparse.Namespace) -> int`` as ``stratagem NAME``.
 
     ``configure(parser)`` adds the subcommand's arguments. With ``passthrough=True`` the
     handler is called as ``handler(argv: list[str])`` with everything after NAME, unparsed.
+    ``epilog`` is printed after the options by ``stratagem NAME --help``.
     """
     def register(handler: Callable[..., int]) -> Callable[..., int]:
-        _COMMANDS[name] = _Command(name, help, configure, handler, passthrough)
+        _COMMANDS[name] = _Command(name, help, configure, handler, passthrough, epilog)
         return handler
     return register
 
@@ -64,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stratagem", description="Distribution strategies for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in _COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, epilog=cmd.epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if cmd.passthrough:
             p.add_argument("argv", nargs=argparse.REMAINDER, help="arguments for the command")
         elif cmd.configure is not None:
@@ -154,9 +160,20 @@ def _single_node(args: argparse.Namespace) -> bool:
     return args.nnodes in (None, "1", "1:1") and args.rdzv_backend is None
 
 
+def _loopback_job(args: argparse.Namespace) -> bool:
+    """A single-node job whose rendezvous address is loopback: nothing needs to listen beyond
+    it (issue 10)."""
+    from stratagem._rendezvous import is_loopback
+
+    return _single_node(args) and is_loopback(args.master_addr or "127.0.0.1")
+
+
 def torchrun_command(args: argparse.Namespace, *, master_port: int | None = None) -> list[str]:
     """The torchrun argv for parsed ``stratagem run`` arguments."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    # Single node: torchrun with its agent store bound to loopback (stratagem._torchrun);
+    # torchrun's own store would listen on every interface, unauthenticated.
+    runner = "stratagem._torchrun" if _loopback_job(args) else "torch.distributed.run"
+    cmd = [sys.executable, "-m", runner, "--nproc-per-node", str(args.nproc)]
     if _single_node(args):
         # Like --standalone, but with the static rendezvous: a free local port and the store
         # hosted by the agent, so no rendezvous id or endpoint needs inventing.
@@ -183,9 +200,14 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
                    help="worker processes on this node")
     p.add_argument("--num-ps", type=_nonneg_int, default=0,
                    help="parameter-server shard processes to start first (single node)")
-    p.add_argument("--nnodes", type=_nnodes, default=None, help="N or MIN:MAX nodes")
+    p.add_argument("--nnodes", type=_nnodes, default=None,
+                   help="N or MIN:MAX nodes (default 1: everything listens on 127.0.0.1 only). "
+                        "With more than one node the rendezvous store listens on every "
+                        "interface, unauthenticated: see the note below")
     p.add_argument("--node-rank", type=_nonneg_int, default=None)
-    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-addr", default=None,
+                   help="address of node 0's rendezvous store (default 127.0.0.1 on one node; "
+                        "a non-loopback address exposes the store: see the note below)")
     p.add_argument("--master-port", type=_nonneg_int, default=None)
     p.add_argument("--max-restarts", type=_nonneg_int, default=None)
     p.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend (c10d...)")
@@ -238,8 +260,24 @@ def _reap_orphans(keep: set[int], grace: float = 5.0) -> None:
             return
 
 
+_RUN_EPILOG = """\
+network exposure: a single-node job (no --nnodes or --nnodes 1, no --rdzv-backend,
+loopback --master-addr) listens on 127.0.0.1 only: the rendezvous store, the workers'
+gloo/NCCL sockets (unless you set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) and the
+--num-ps shards. A multi-node job cannot: torchrun's rendezvous store (a c10d TCPStore
+on node 0 at --master-port or --rdzv-endpoint) listens on every interface, and the
+workers' gloo/NCCL sockets on the address the host name resolves to; none of them
+authenticates anyone. Whoever reaches them can read and write rendezvous keys and
+disturb the collectives, and with --rdzv-backend c10d the agents unpickle the state read
+from the store (code execution). Run multi-node jobs only on a private network (cluster
+fabric, VPN, VLAN), firewall the store port and the hosts' ephemeral ports from anything
+outside the job, and set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the private interface.
+Parameter-server shards for several machines: `stratagem ps` with a token (and TLS).
+See docs/reliability.md, "Network exposure"."""
+
+
 @subcommand("run", "run a training script on N workers (on top of torchrun)",
-            configure=_configure_run)
+            configure=_configure_run, epilog=_RUN_EPILOG)
 def _run(args: argparse.Namespace) -> int:
     from stratagem.launcher import child_pythonpath, start_ps_shards
 
@@ -270,6 +308,10 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = child_pythonpath(env)
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's oversubscription banner
+    if _loopback_job(args):
+        from stratagem._rendezvous import loopback_env
+
+        env.update(loopback_env(env))  # issue 10: gloo/NCCL listen on loopback, not the LAN
     if args.strategy:
         env["STRATAGEM_STRATEGY"] = args.strategy
         env["STRATAGEM_STRATEGY_ARGS"] = json.dumps(strategy_args)
@@ -328,14 +370,34 @@ def _supervise(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def _configure_ps(p: argparse.ArgumentParser) -> None:
+    # The same flags as ``python -m stratagem.ps.server`` (stratagem.ps.server.
+    # add_limit_arguments), spelled out here so `stratagem --help` need not import grpc.
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (0.0.0.0 to accept other machines)")
+                   help="address to bind (0.0.0.0 or :: to accept other machines: then use "
+                        "a token and TLS)")
     p.add_argument("--port", type=_nonneg_int, required=True, help="port (0: pick a free one)")
     p.add_argument("--port-file", default=None, help="write the bound port here once listening")
     p.add_argument("--token-file", default=None,
-                   help="file holding the shared token (default: env STRATAGEM_PS_TOKEN)")
+                   help="file holding the shared token (default: the file in env "
+                        "STRATAGEM_PS_TOKEN_FILE, then env STRATAGEM_PS_TOKEN); an empty "
+                        "token is an error")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    p.add_argument("--max-bytes", type=_nonneg_int, default=8 << 30,
+                   help="quota on registered tensors plus optimizer state, in bytes "
+                        "(default %(default)s = 8 GiB)")
+    p.add_argument("--max-message-bytes", type=_nonneg_int, default=1 << 30,
+                   help="largest request or reply in bytes (default %(default)s)")
+    p.add_argument("--max-concurrent-streams", type=_nonneg_int, default=32,
+                   help="calls one connection may have in flight (default %(default)s)")
+    p.add_argument("--max-connection-age", type=float, default=3600.0,
+                   help="seconds before a connection is recycled (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=120.0,
+                   help="seconds a request body may take to arrive (default %(default)s)")
+    p.add_argument("--threads", type=_nonneg_int, default=4,
+                   help="threads for tensor work (default %(default)s)")
+    p.add_argument("--intra-op-threads", type=_nonneg_int, default=1,
+                   help="torch intra-op threads per optimizer step (0: torch's default)")
 
 
 def _import_or_explain(command: str, module: str) -> Any | None:
@@ -350,23 +412,12 @@ def _import_or_explain(command: str, module: str) -> Any | None:
 @subcommand("ps", "start one parameter-server shard (for multi-machine jobs)",
             configure=_configure_ps)
 def _ps(args: argparse.Namespace) -> int:
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("stratagem ps: error: TLS needs both --tls-cert and --tls-key, got only "
-              f"{'--tls-cert' if args.tls_cert else '--tls-key'}", file=sys.stderr)
-        return 2
-    token = None  # ShardServer reads STRATAGEM_PS_TOKEN itself when no token is given
-    if args.token_file is not None:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as e:
-            print(f"stratagem ps: error: cannot read --token-file: {e}", file=sys.stderr)
-            return 2
     server = _import_or_explain("ps", "stratagem.ps.server")
     if server is None:
         return 2
-    server.serve(args.host, args.port, token=token, tls_cert=args.tls_cert,
-                 tls_key=args.tls_key, port_file=args.port_file)
-    return 0
+    # One start-up line (address, auth, TLS, limits) and rate-limited refusal lines go to
+    # the log; start-up errors (empty token, bad TLS material, port in use) are one line.
+    return int(server.serve_from_args(args, "stratagem ps"))
 
 
 def _delegate(command: str, module: str) -> Callable[[list[str]], int]:

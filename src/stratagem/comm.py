@@ -33,6 +33,7 @@ import torch.distributed as dist
 # gloo group that outlives the interpreter aborts the process (see ``release_all``).
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
+from ._rendezvous import is_loopback, loopback_tcp_store
 from .errors import PeerTimeoutError
 
 __all__ = ["Comm", "release_all", "live_backend_threads"]
@@ -189,10 +190,17 @@ class Comm:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ["MASTER_PORT"])
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        base = dist.TCPStore(
-            host, port, world_size, is_master=(rank == 0 and not agent_store),
-            timeout=timedelta(seconds=timeout), wait_for_workers=False,
-        )
+        base: dist.Store
+        if rank == 0 and not agent_store and is_loopback(host):
+            # Issue 10: rank 0 hosts the store itself; torch's TCPStore would listen on every
+            # interface although every peer is on this machine.
+            base = loopback_tcp_store(host, port, world_size=world_size,
+                                      timeout=timedelta(seconds=timeout))
+        else:
+            base = dist.TCPStore(
+                host, port, world_size, is_master=(rank == 0 and not agent_store),
+                timeout=timedelta(seconds=timeout), wait_for_workers=False,
+            )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"stratagem/attempt_{attempt}", base)
         backend = "cpu:gloo,cuda:nccl" if (device is not None and device.type == "cuda") else "gloo"

@@ -2,7 +2,10 @@
 
 The parent process hosts the c10d ``TCPStore`` (like torchrun's agent store) so the store
 outlives any worker; workers find it through the usual environment variables and connect as
-clients. Results come back as bytes written with the standard :mod:`pickle` (real copies of
+clients. The store listens on 127.0.0.1 only (issue 10: torch's own ``TCPStore`` would listen
+on every interface, unauthenticated; see :mod:`stratagem._rendezvous`), and the workers'
+collective backends are pinned to the loopback interface, so a job started here cannot be
+reached from other machines. Results come back as bytes written with the standard :mod:`pickle` (real copies of
 tensors, never shared memory that dies with the worker). The first failure stops every other
 worker (SIGTERM, then SIGKILL after a grace period), so no process outlives the call.
 
@@ -10,7 +13,8 @@ Environment given to every worker (the contract ``Comm.from_env`` relies on)::
 
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
     TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT=0,
-    OMP_NUM_THREADS=1 (unless set), and with parameter-server shards
+    OMP_NUM_THREADS=1 (unless set), GLOO_SOCKET_IFNAME=lo and NCCL_SOCKET_IFNAME=lo (unless
+    set, and only with a loopback MASTER_ADDR), and with parameter-server shards
     STRATAGEM_PS_ADDRS=host:port,... and STRATAGEM_NUM_PS=K.
 """
 
@@ -21,6 +25,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import shlex
 import shutil
 import signal
@@ -38,6 +43,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, cast
 
+from stratagem._rendezvous import is_loopback, loopback_env, loopback_tcp_store
 from stratagem.errors import ParameterServerUnavailable, WorkerError
 
 __all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker_env"]
@@ -97,6 +103,10 @@ def worker_env(*, rank: int, world_size: int, master_port: int,
     if "OMP_NUM_THREADS" not in base:
         # N busy processes on a few cores: one intra-op thread each avoids oversubscription.
         env["OMP_NUM_THREADS"] = "1"
+    if is_loopback(master_addr):
+        # Issue 10: gloo (and NCCL's bootstrap) would otherwise listen on the address the host
+        # name resolves to, usually a LAN address, though every peer is on this machine.
+        env.update(loopback_env(base))
     if ps_addrs:
         env["STRATAGEM_PS_ADDRS"] = ",".join(ps_addrs)
         env["STRATAGEM_NUM_PS"] = str(len(ps_addrs))
@@ -127,31 +137,46 @@ def _die_with_parent(parent_pid: int) -> None:
 # --------------------------------------------------------------------------- PS shards
 
 
-def ps_server_command(port_file: str, host: str = _MASTER_ADDR) -> list[str]:
-    """The command that starts one parameter-server shard writing its port to ``port_file``."""
-    return [sys.executable, "-m", "stratagem.ps.server", "--host", host, "--port", "0",
-            "--port-file", port_file, "--parent-pid", str(os.getpid())]
+def ps_server_command(port_file: str, host: str = _MASTER_ADDR,
+                      token_file: str | None = None) -> list[str]:
+    """The command that starts one parameter-server shard writing its port to ``port_file``
+    (and, with ``token_file``, requiring the token in that file: never on the command line)."""
+    cmd = [sys.executable, "-m", "stratagem.ps.server", "--host", host, "--port", "0",
+           "--port-file", port_file, "--parent-pid", str(os.getpid())]
+    if token_file is not None:
+        cmd += ["--token-file", token_file]
+    return cmd
 
 
 class PSShards:
     """Running parameter-server shard processes started by :func:`start_ps_shards`.
+
+    ``token`` is the job's random shard token (None when started with ``auth=False``);
+    :meth:`env` hands it to workers as ``STRATAGEM_PS_TOKEN_FILE`` (a 0600 file in the
+    launcher's private temporary directory, removed by :meth:`stop`).
 
     ``stop()`` sends SIGTERM, waits up to ``grace`` seconds, then SIGKILLs whatever is left;
     it is idempotent and also runs on context-manager exit, whatever the outcome of the job.
     """
 
     def __init__(self, procs: list[subprocess.Popen[bytes]], addresses: list[str],
-                 tmpdir: str) -> None:
+                 tmpdir: str, token: str | None = None, token_file: str | None = None) -> None:
         self.procs = procs
         self.addresses = addresses
         self._tmpdir = tmpdir
+        self.token = token
+        self.token_file = token_file
 
     def env(self) -> dict[str, str]:
-        """``STRATAGEM_PS_ADDRS`` and ``STRATAGEM_NUM_PS`` for the workers."""
+        """``STRATAGEM_PS_ADDRS``, ``STRATAGEM_NUM_PS`` and ``STRATAGEM_PS_TOKEN_FILE`` for the
+        workers (their ``PSClient`` reads the token from that file)."""
         if not self.addresses:
             return {}
-        return {"STRATAGEM_PS_ADDRS": ",".join(self.addresses),
-                "STRATAGEM_NUM_PS": str(len(self.addresses))}
+        env = {"STRATAGEM_PS_ADDRS": ",".join(self.addresses),
+               "STRATAGEM_NUM_PS": str(len(self.addresses))}
+        if self.token_file is not None:
+            env["STRATAGEM_PS_TOKEN_FILE"] = self.token_file
+        return env
 
     def stop(self, grace: float = TERMINATE_GRACE) -> None:
         _stop_popens(self.procs, grace)
@@ -181,22 +206,33 @@ def _stop_popens(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None
 def start_ps_shards(num_ps: int, *, host: str = _MASTER_ADDR,
                     command: Callable[[str], list[str]] | None = None,
                     startup_timeout: float = 60.0,
-                    env: Mapping[str, str] | None = None) -> PSShards:
+                    env: Mapping[str, str] | None = None, auth: bool = True) -> PSShards:
     """Start ``num_ps`` parameter-server shard processes and wait until each is listening.
 
     ``command(port_file)`` builds each shard's argv (default :func:`ps_server_command`); the
     shard must write its bound port to ``port_file`` once it listens, and exit on SIGTERM.
+    With ``auth`` (the default) and the default command the job gets a fresh random token,
+    written to a 0600 file in a private temporary directory and passed as ``--token-file``;
+    workers get it through :meth:`PSShards.env` (``STRATAGEM_PS_TOKEN_FILE``), so no other
+    local user can call the shards (``shutdown`` included).
     Raises :class:`ParameterServerUnavailable` (after stopping the others) if a shard exits
     before writing its port or does not write it within ``startup_timeout`` seconds.
     """
     if num_ps < 0:
         raise ValueError(f"num_ps must be >= 0, got {num_ps}; pass 0 for no shards")
-    make = command or (lambda f: ps_server_command(f, host))
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = child_pythonpath(child_env)
-    tmpdir = tempfile.mkdtemp(prefix="stratagem-ps-")
+    tmpdir = tempfile.mkdtemp(prefix="stratagem-ps-")  # mode 0700: ours alone
+    token = token_file = None
+    if auth and num_ps and command is None:  # a custom command has no way to receive it
+        token = secrets.token_urlsafe(32)
+        token_file = os.path.join(tmpdir, "token")
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as tf:
+            tf.write(token)
+    make = command or (lambda f: ps_server_command(f, host, token_file))
     procs: list[subprocess.Popen[bytes]] = []
-    shards = PSShards(procs, [], tmpdir)
+    shards = PSShards(procs, [], tmpdir, token, token_file)
     try:
         files = [os.path.join(tmpdir, f"shard{i}.port") for i in range(num_ps)]
         for f in files:
@@ -464,15 +500,13 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         raise ValueError(f"restart must be 'all' or 'failed', got {restart!r}; 'failed' restarts "
                          "only the dead worker (async strategies without a process group)")
     _check_picklable_target(fn)
-    from torch.distributed import TCPStore  # torch is heavy: import only when launching
-
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     shards: PSShards | None = None
     sup: _Supervisor | None = None
-    # Port 0 lets the OS pick a free port with no race; the store lives as long as this call.
-    store = TCPStore(_MASTER_ADDR, 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=60))
+    # Port 0 lets the OS pick a free port with no race; the store lives as long as this call
+    # and listens on loopback only (issue 10).
+    store = loopback_tcp_store(_MASTER_ADDR, 0, timeout=timedelta(seconds=60))
     try:
         if num_ps:
             shards = start_ps_shards(num_ps)
@@ -482,6 +516,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         def start(rank: int, attempt: int) -> tuple[BaseProcess, Connection]:
             wenv = worker_env(rank=rank, world_size=nprocs, master_port=port,
                               ps_addrs=shards.addresses if shards else (), base=base)
+            if shards is not None:
+                wenv.update(shards.env())  # the shards' token file (issue 11)
             wenv.update(env or {})
             wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
             r, w = ctx.Pipe(duplex=False)

@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from stratagem.errors import ParameterServerUnavailable, PeerTimeoutError, StratagemError
+from stratagem.ps import auth as ps_auth
 from stratagem.ps import optim as ps_optim
 from stratagem.ps import wire
 from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
@@ -118,8 +119,9 @@ class PSClient:
         self.addresses = list(addresses)
         self.timeout = float(timeout)
         self.limits = wire.Limits(max_message_bytes=max_message_bytes)
-        if token is None:
-            token = os.environ.get("STRATAGEM_PS_TOKEN") or None
+        # The shard's token: token=, else STRATAGEM_PS_TOKEN, else STRATAGEM_PS_TOKEN_FILE
+        # (what launcher-started shards hand their workers); blank is an error.
+        token = ps_auth.resolve_token(token)
         self._metadata = ((wire.TOKEN_METADATA_KEY, token),) if token else None
         options = wire.channel_options(max_message_bytes)
         # Strategies build their client from the environment, like the token: a job whose
@@ -129,8 +131,8 @@ class PSClient:
         if tls_server_name is None:
             tls_server_name = os.environ.get("STRATAGEM_PS_TLS_SERVER_NAME") or None
         if tls_root_cert is not None:
-            root = tls_root_cert if isinstance(tls_root_cert, bytes) else open(
-                tls_root_cert, "rb").read()
+            root = ps_auth.read_pem(tls_root_cert, "root certificate (tls_root_cert / "
+                                              "STRATAGEM_PS_TLS_ROOT_CERT)")
             creds = grpc.ssl_channel_credentials(root_certificates=root)
             if tls_server_name:
                 options = [*options, ("grpc.ssl_target_name_override", tls_server_name)]
@@ -395,6 +397,32 @@ class ShardedParameters:
         names = self.names
         return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
 
+    def join(self, *, register: bool, timeout: float | None = None,
+             poll: float = 0.05) -> dict[str, torch.Tensor]:
+        """Start from the shards' values: :meth:`register` them (``register=True``, the chief's
+        part) or wait until they are registered and pull them (everybody else), so every
+        worker starts from the chief's initial values rather than whichever registered first.
+
+        Raises :class:`stratagem.errors.PeerTimeoutError` if nothing is registered within
+        ``timeout`` seconds (default: the client's timeout).
+        """
+        if register:
+            return self.register()
+        wait = self.client.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.pull()
+            except RemoteError as exc:
+                if exc.code != "NOT_FOUND":
+                    raise
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(
+                        f"the chief (replica 0) did not register the parameters on the "
+                        f"parameter-server shards within {wait:g} s ({exc}); check that it "
+                        "started, or raise timeout=") from None
+            time.sleep(poll)
+
     def pull_async(self, names: Sequence[str] | None = None, *,
                    into: Mapping[str, torch.Tensor] | None = None
                    ) -> PSFuture[dict[str, torch.Tensor]]:
@@ -528,10 +556,14 @@ class ShardedParameters:
     def pull_rows_versioned(self, name: str, indices: torch.Tensor
                             ) -> tuple[torch.Tensor, int]:
         """:meth:`pull_rows` plus the (lowest part's) version the rows were read at."""
-        routed = self._row_parts(name, indices)
+        flat = torch.as_tensor(indices).to(torch.int64).reshape(-1)
+        # Shards refuse repeated rows (a reply must not grow beyond the tensor): ask for each
+        # row once and expand the repeats here.
+        rows, inverse = torch.unique(flat, return_inverse=True)
+        routed = self._row_parts(name, rows)
         reqs: list[Request] = [(p.shard, "pull_rows", {"name": p.key},
                                 [Entry("indices", local)]) for p, _, local in routed]
-        n = int(torch.as_tensor(indices).numel())
+        n = int(rows.numel())
 
         def finish(msgs: list[Message]) -> tuple[torch.Tensor, int]:
             version = min((int(m.entries[0].version or 0) for m in msgs), default=0)
@@ -539,11 +571,14 @@ class ShardedParameters:
                 for (p, _, _), m in zip(routed, msgs, strict=True):
                     self._versions[p.key] = int(m.entries[0].version or 0)
             if len(routed) == 1 and routed[0][0].num_parts == 1:
-                return msgs[0].entries[0].tensor, version
-            out = torch.empty((n, *self._shapes[name][1:]), dtype=self._dtypes[name])
-            for (_, mask, _), m in zip(routed, msgs, strict=True):
-                out[mask] = m.entries[0].tensor
-            return out, version
+                out = msgs[0].entries[0].tensor
+            else:
+                out = torch.empty((n, *self._shapes[name][1:]), dtype=self._dtypes[name])
+                for (_, mask, _), m in zip(routed, msgs, strict=True):
+                    out[mask] = m.entries[0].tensor
+            if n == flat.numel() and bool((rows == flat).all()):
+                return out, version
+            return out.index_select(0, inverse), version
 
         return self.client.submit(reqs, finish).result()
 

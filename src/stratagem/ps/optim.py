@@ -16,13 +16,15 @@ scattered into a dense zero gradient first, which is exactly what a dense backwa
 from __future__ import annotations
 
 import inspect
+import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 __all__ = ["OPTIMIZERS", "optimizer_spec", "validate_spec", "build_optimizer",
-           "supports_sparse"]
+           "check_spec", "state_layout", "supports_sparse"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -94,14 +96,81 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     return hyper
 
 
-def build_optimizer(spec: Mapping[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
-    """Build the torch optimizer of ``spec`` over the single tensor ``param``."""
+_CHECKED: dict[str, tuple[dict[str, Any], dict[str, bool]]] = {}
+
+
+def _finite_numbers(key: str, v: Any) -> None:
+    items = v if isinstance(v, (list, tuple)) else [v]
+    for x in items:
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            try:
+                ok = math.isfinite(float(x))
+            except OverflowError:
+                ok = False
+            if not ok:
+                raise ValueError(f"optimizer hyperparameter {key}={v!r} is not a finite number; "
+                                 "pass a finite value")
+
+
+def check_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate ``spec`` the way torch would, by building its optimizer over a one-element
+    tensor and taking one step (some bad values, e.g. ``betas`` of length 3, only fail in
+    ``step``). Returns the param group torch built (validated, normalised values), without
+    ``params``. Raises ``ValueError`` carrying torch's own message. Cached per spec."""
     hyper = validate_spec(spec)
+    for k, v in hyper.items():
+        _finite_numbers(k, v)
     cls = OPTIMIZERS[spec["name"].lower()]
     try:
-        return cls([param], **hyper)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"optimizer spec {dict(spec)!r} was refused by torch: {exc}") from None
+        key = json.dumps({"name": cls.__name__, **hyper}, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        key = None
+    if key is not None and key in _CHECKED:
+        return dict(_CHECKED[key][0])
+    p = torch.nn.Parameter(torch.zeros(2))
+    try:
+        opt = cls([p], **hyper)
+        p.grad = torch.ones(2)
+        opt.step()
+    except Exception as exc:  # noqa: BLE001 - torch raises Value/Type/Index/KeyError alike
+        raise ValueError(f"optimizer spec {dict(spec)!r} was refused by torch."
+                         f"{cls.__name__}: {type(exc).__name__}: {exc}") from None
+    if not bool(torch.isfinite(p.detach()).all()):
+        raise ValueError(f"optimizer spec {dict(spec)!r} turns a unit gradient into a "
+                         "non-finite parameter; pass smaller hyperparameters")
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    # Which state entries torch keeps, and whether each has the parameter's shape.
+    layout = {k: isinstance(v, torch.Tensor) and tuple(v.shape) == (2,)
+              for k, v in opt.state[p].items()}
+    if key is not None:
+        if len(_CHECKED) >= 1024:  # bounded: specs come from the network
+            _CHECKED.clear()
+        _CHECKED[key] = (group, layout)
+    return dict(group)
+
+
+def state_layout(spec: Mapping[str, Any]) -> dict[str, bool]:
+    """The optimizer state keys torch keeps for ``spec`` after a step, each mapped to
+    whether it has the parameter's shape (else it is a scalar such as ``step``)."""
+    check_spec(spec)
+    hyper = validate_spec(spec)
+    cls = OPTIMIZERS[spec["name"].lower()]
+    key = json.dumps({"name": cls.__name__, **hyper}, sort_keys=True, allow_nan=False)
+    found = _CHECKED.get(key)
+    if found is None:  # evicted in between: check again
+        _CHECKED.clear()
+        check_spec(spec)
+        found = _CHECKED[key]
+    return dict(found[1])
+
+
+def build_optimizer(spec: Mapping[str, Any], param: torch.Tensor) -> torch.optim.Optimizer:
+    """Build the torch optimizer of ``spec`` over the single tensor ``param`` (validated by
+    :func:`check_spec` first, so a spec torch refuses never reaches a shard's slot)."""
+    check_spec(spec)
+    hyper = validate_spec(spec)
+    cls = OPTIMIZERS[spec["name"].lower()]
+    return cls([param], **hyper)
 
 
 def supports_sparse(spec: Mapping[str, Any]) -> bool:

@@ -19,40 +19,46 @@ Run one shard as a process with ``python -m stratagem.ps.server --host H --port 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import functools
 import hmac
+import json
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 import torch
 
+from stratagem.ps import auth as ps_auth
 from stratagem.ps import optim as ps_optim
 from stratagem.ps import wire
 from stratagem.ps.wire import Entry, Message, WireError
 
-__all__ = ["ShardServer", "serve", "start_local_shards", "main"]
+__all__ = ["ShardServer", "serve", "start_local_shards", "main", "add_limit_arguments",
+           "serve_from_args", "DEFAULT_MAX_BYTES"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _MODES = ("async", "sync", "elastic")
-_ALL_INTERFACES = ("0.0.0.0", "::", "", "[::]")
-
-
-def _read(data: bytes | str | os.PathLike[str] | None) -> bytes | None:
-    if data is None or isinstance(data, bytes):
-        return data
-    return Path(data).read_bytes()
+#: Default per-shard quota on registered tensors plus their optimizer state (``--max-bytes``).
+DEFAULT_MAX_BYTES = 8 << 30
+# Refusals that suggest a misconfigured or hostile peer (logged as warnings, rate-limited).
+_LOUD = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "INTERNAL"})
 
 
 @dataclass
@@ -96,13 +102,26 @@ def _int(fields: dict[str, Any], key: str, default: int | None = None, *,
 
 def _float(fields: dict[str, Any], key: str, default: float | None = None) -> float:
     v = fields.get(key, default)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-        raise _err(f"field {key!r} must be a finite number, got {v!r}")
+    try:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an integer beyond float range
+        ok = False
+    if not ok or not isinstance(v, (int, float)):
+        raise _err(f"field {key!r} must be a finite number, got {str(v)[:40]}")
     return float(v)
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _first_repeat(items: Sequence[str]) -> str:
+    seen: set[str] = set()
+    for n in items:
+        if n in seen:
+            return n
+        seen.add(n)
+    return ""
 
 
 def _names(fields: dict[str, Any], key: str = "names") -> list[str] | None:
@@ -111,51 +130,163 @@ def _names(fields: dict[str, Any], key: str = "names") -> list[str] | None:
         return None
     if not isinstance(v, list) or not all(isinstance(n, str) for n in v):
         raise _err(f"field {key!r} must be a list of strings")
+    if len(set(v)) != len(v):  # a name repeated N times would cost N copies in the reply
+        dup = _first_repeat(v)
+        raise _err(f"field {key!r} names {dup!r} more than once; name each tensor once")
     return v
+
+
+class _Throttle:
+    """At most one log line per key every ``every`` seconds, counting what it held back: a
+    shard under attack (or a slot failing on every push) must not flood its log."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, key: str, level: int, message: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last, held = self._seen.get(key, (-math.inf, 0))
+            if now - last < self.every:
+                self._seen[key] = (last, held + 1)
+                return False
+            if len(self._seen) > 256:  # keys include peers: keep the table bounded
+                self._seen.clear()
+            self._seen[key] = (now, 0)
+        log.log(level, "%s%s", message,
+                f" ({held} similar in the last {self.every:g} s not logged)" if held else "")
+        return True
+
+
+class _LoopThread:
+    """The one asyncio event loop (in a daemon thread) that hosts every shard of this process:
+    grpc.aio servers live on a loop, and one loop for all keeps in-process shards simple."""
+
+    _lock = threading.Lock()
+    _instance: _LoopThread | None = None
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="stratagem-ps-loop", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @classmethod
+    def get(cls) -> _LoopThread:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = _LoopThread()
+            return cls._instance
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("cannot wait for the shard loop from inside it")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+class _Abort:
+    """A refusal: the gRPC status name and the explanation sent to the caller."""
+
+    def __init__(self, status: str, detail: str) -> None:
+        self.status, self.detail = status, detail
 
 
 class ShardServer:
     """One parameter-server shard.
 
+    Availability: the shard is a ``grpc.aio`` server, so a call costs a coroutine, not a
+    thread, while its body arrives (or never does): a client holding many stalled streams
+    cannot starve others. The token is checked from the call's metadata before the body is
+    read (the method is registered as client-streaming, so gRPC hands us the call before the
+    message): an unauthenticated body is never buffered beyond HTTP/2 flow control. Each
+    connection may hold ``max_concurrent_streams`` calls; a body must arrive within
+    ``body_timeout`` seconds; connections are recycled after ``max_connection_age`` seconds
+    (in-flight calls get a grace period); idle peers are probed with keepalive pings. Tensor
+    work (optimizer steps, encoding replies) runs on ``max_workers`` threads with one lock per
+    tensor.
+
+    Bounded work: every request's reply size is computed before anything is allocated and
+    refused (``RESOURCE_EXHAUSTED``) above ``max_message_bytes``; a tensor or row may appear
+    only once per request; registered tensors (plus their optimizer state) may not exceed
+    ``max_bytes`` in total.
+
+    No poisoning: non-finite gradients, elastic exchanges, registrations and states are
+    refused (``INVALID_ARGUMENT``) before anything is applied; optimizer hyperparameters are
+    validated by building the optimizer as torch would (:func:`stratagem.ps.optim.check_spec`).
+
     Failure behaviour: a malformed, oversize or non-stratagem message (random bytes, a pickle)
     is refused with ``INVALID_ARGUMENT`` or ``RESOURCE_EXHAUSTED``; a missing or wrong token
     with ``UNAUTHENTICATED``; an unknown tensor with ``NOT_FOUND``; a request that contradicts
     the registration (shape, mode) with ``FAILED_PRECONDITION``. None of these affect other
-    clients. An unexpected exception is logged and answered with ``INTERNAL``.
+    clients; each kind is logged at most once per 10 s. An unexpected exception is answered
+    with ``INTERNAL`` and logged as one rate-limited line (no traceback per request).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
                  tls_cert: bytes | str | os.PathLike[str] | None = None,
                  tls_key: bytes | str | os.PathLike[str] | None = None,
                  max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
-                 max_workers: int = 32, max_wait_seconds: float = 10.0) -> None:
-        if token is None:
-            token = os.environ.get("STRATAGEM_PS_TOKEN") or None
+                 max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_workers: int = 4, max_wait_seconds: float = 10.0,
+                 max_concurrent_streams: int = 32, max_concurrent_rpcs: int = 1024,
+                 max_connection_age: float = 3600.0, body_timeout: float = 120.0) -> None:
+        token = ps_auth.resolve_token(token)
         if (tls_cert is None) != (tls_key is None):
-            raise ValueError("TLS needs both tls_cert and tls_key (PEM); got only one of them")
+            raise ValueError("TLS needs both tls_cert and tls_key (PEM); got only "
+                             f"{'tls_cert' if tls_key is None else 'tls_key'}. Fix: pass both")
+        for name, value, low in (("max_workers", max_workers, 1),
+                                 ("max_concurrent_streams", max_concurrent_streams, 1),
+                                 ("max_concurrent_rpcs", max_concurrent_rpcs, 1),
+                                 ("max_bytes", max_bytes, 0)):
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name, fvalue in (("max_wait_seconds", max_wait_seconds),
+                             ("max_connection_age", max_connection_age),
+                             ("body_timeout", body_timeout)):
+            if not isinstance(fvalue, (int, float)) or not 0 < fvalue < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {fvalue!r}")
         self.host, self.port = host, port
         self._token = token.encode() if token else None
-        self._tls = (_read(tls_key), _read(tls_cert)) if tls_cert is not None else None
+        self._tls: tuple[bytes, bytes] | None = None
+        if tls_cert is not None and tls_key is not None:
+            cert = ps_auth.read_pem(tls_cert, "certificate")
+            key = ps_auth.read_pem(tls_key, "private key")
+            ps_auth.check_tls_pair(cert, key)
+            self._tls = (key, cert)
         self.limits = wire.Limits(max_message_bytes=max_message_bytes)
+        self.max_bytes = max_bytes
         self._max_workers = max_workers
-        self.max_wait_seconds = max_wait_seconds
-        if host in _ALL_INTERFACES:
-            msg = (f"parameter-server shard binding {host!r} listens on every network interface"
-                   f"{'' if token else ' without a token (set STRATAGEM_PS_TOKEN)'}; bind "
-                   "127.0.0.1 or a specific address unless other machines must connect")
+        self.max_wait_seconds = float(max_wait_seconds)
+        self.max_concurrent_streams = max_concurrent_streams
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.max_connection_age = float(max_connection_age)
+        self.body_timeout = float(body_timeout)
+        msg = ps_auth.exposure_warning(host, token=self._token is not None,
+                                       tls=self._tls is not None)
+        if msg is not None:
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             log.warning(msg)
         self._slots: dict[str, _Slot] = {}
         self._registry_lock = threading.Lock()
-        self._versions = threading.Condition()
-        self._waiters = 0
+        self._charged = 0  # bytes of registered tensors + optimizer state (the quota)
         self._stopped = threading.Event()
-        self._server: grpc.Server | None = None
+        self._server: grpc.aio.Server | None = None
+        self._loop: _LoopThread | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._changed: asyncio.Event | None = None
+        self._num_waiters = 0
+        self._in_flight = 0  # authenticated calls being served (on the loop thread only)
+        self._throttle = _Throttle()
         self._started = time.monotonic()
         self._ops: dict[str, Callable[[Message], bytes]] = {
             "health": self._health, "register": self._register, "pull": self._pull,
             "pull_rows": self._pull_rows, "push": self._push, "push_sparse": self._push_sparse,
-            "wait_version": self._wait_version, "elastic": self._elastic,
+            "elastic": self._elastic,
             "set_hyperparams": self._set_hyperparams, "get_state": self._get_state,
             "set_state": self._set_state, "shutdown": self._shutdown,
         }
@@ -164,46 +295,88 @@ class ShardServer:
 
     @property
     def address(self) -> str:
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"{host}:{self.port}"
+        return f"{_bracketed(self.host)}:{self.port}"
+
+    def describe(self) -> str:
+        """One line: address, authentication, TLS and limits (logged at start-up)."""
+        return (f"parameter-server shard listening on {self.address} "
+                f"(auth: {'token' if self._token else 'NONE'}, "
+                f"TLS: {'on' if self._tls else 'off'}, "
+                f"max message {self.limits.max_message_bytes} B, "
+                f"max registered {self.max_bytes} B, "
+                f"{self.max_concurrent_streams} streams per connection, "
+                f"{self.max_concurrent_rpcs} calls in all, "
+                f"body timeout {self.body_timeout:g} s, "
+                f"connection age {self.max_connection_age:g} s, "
+                f"{self._max_workers} tensor threads)")
+
+    def _options(self) -> list[tuple[str, Any]]:
+        age_ms = int(self.max_connection_age * 1000)
+        return [*wire.channel_options(self.limits.max_message_bytes),
+                # so_reuseport=0: a second shard on the same fixed port must fail, not share it.
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+                ("grpc.max_connection_age_ms", age_ms),
+                # In-flight calls (a long wait_version, a big push on a slow link) may finish.
+                ("grpc.max_connection_age_grace_ms", int((self.body_timeout + 60) * 1000)),
+                # Probe silent peers so half-open connections do not linger.
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.http2.max_ping_strikes", 5)]
 
     def start(self) -> int:
         """Start serving; returns the bound port (useful with ``port=0``)."""
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_workers,
-                                       thread_name_prefix="stratagem-ps"),
-            # so_reuseport=0: a second shard on the same fixed port must fail, not share it.
-            options=[*wire.channel_options(self.limits.max_message_bytes),
-                     ("grpc.so_reuseport", 0)])
-        handler = grpc.unary_unary_rpc_method_handler(self._call)
+        if self._server is not None:
+            raise RuntimeError(f"shard {self.address} is already started")
+        _warm_up_optimizers()
+        self._loop = _LoopThread.get()
+        self._executor = futures.ThreadPoolExecutor(max_workers=self._max_workers,
+                                                    thread_name_prefix="stratagem-ps")
+        try:
+            server, port = self._loop.run(self._start_async(), timeout=60.0)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+        self._server, self.port = server, port
+        log.info("%s", self.describe())
+        return port
+
+    async def _start_async(self) -> tuple[grpc.aio.Server, int]:
+        self._changed = asyncio.Event()
+        server = grpc.aio.server(options=self._options(),
+                                 maximum_concurrent_rpcs=self.max_concurrent_rpcs)
+        # Client-streaming on our side (the client calls it unary: the wire is the same), so
+        # the handler runs on the headers and reads the body only once the token is checked.
+        handler = grpc.stream_unary_rpc_method_handler(self._handle)
         service, method = wire.METHOD.strip("/").split("/")
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, {method: handler}),))
-        target = f"{self.host if ':' not in self.host else f'[{self.host}]'}:{self.port}"
+        target = f"{_bracketed(self.host)}:{self.port}"
         try:
             if self._tls is not None:
                 port = server.add_secure_port(target, grpc.ssl_server_credentials([self._tls]))
             else:
                 port = server.add_insecure_port(target)
         except RuntimeError as exc:
-            raise OSError(f"parameter-server shard could not bind {target}: {exc}; "
-                          "choose another port or port 0") from None
+            raise OSError(f"parameter-server shard could not bind {target}: {exc}; the address "
+                          "is in use or not local: choose another port, or port 0") from None
         if not port:
             raise OSError(f"parameter-server shard could not bind {target}; choose another port "
                           "or port 0")
-        _warm_up_optimizers()
-        server.start()
-        self._server, self.port = server, port
-        log.info("parameter-server shard listening on %s", self.address)
-        return port
+        await server.start()
+        return server, port
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving; in-flight calls get ``grace`` seconds to finish."""
-        if self._server is not None:
-            self._server.stop(grace).wait(timeout=(grace or 0) + 5.0)
+        server, self._server = self._server, None
         self._stopped.set()
-        with self._versions:
-            self._versions.notify_all()
+        if server is not None and self._loop is not None:
+            self._loop.loop.call_soon_threadsafe(self._wake)
+            with contextlib.suppress(Exception):
+                self._loop.run(server.stop(grace), timeout=(grace or 0) + 5.0)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the shard stops (``shutdown`` call or :meth:`stop`); False on timeout."""
@@ -219,37 +392,102 @@ class ShardServer:
 
     # -- dispatch -------------------------------------------------------------------------
 
-    def _authorized(self, context: grpc.ServicerContext) -> bool:
+    def _authorized(self, metadata: Any) -> bool:
         if self._token is None:
             return True
-        for key, value in context.invocation_metadata():
+        for key, value in metadata or ():
             if key == wire.TOKEN_METADATA_KEY:
-                got = value.encode() if isinstance(value, str) else value
+                got = value.encode() if isinstance(value, str) else bytes(value)
                 return hmac.compare_digest(got, self._token)
         return False
 
-    def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        # Authenticate before parsing: an unauthenticated peer never reaches the decoder.
-        if not self._authorized(context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong parameter-server token; set STRATAGEM_PS_TOKEN (or "
-                          "token=) on the worker to the shard's token")
-        status, detail = "OK", ""
+    def _refused(self, status: str, peer: str, detail: str) -> None:
+        level = logging.WARNING if status in _LOUD else logging.INFO
+        self._throttle(f"{status}", level,
+                       f"parameter-server shard {self.address} refused a call from {peer}: "
+                       f"{status}: {detail[:300]}")
+
+    async def _handle(self, request_iterator: Any, context: grpc.aio.ServicerContext
+                      ) -> bytes | _Abort:
+        peer = context.peer() or "?"
+        if not self._authorized(context.invocation_metadata()):
+            detail = ("missing or wrong parameter-server token; set STRATAGEM_PS_TOKEN "
+                      "(or STRATAGEM_PS_TOKEN_FILE, or token=) on the worker to the shard's "
+                      "token")
+            self._refused("UNAUTHENTICATED", peer, "missing or wrong token")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, detail)
+        self._in_flight += 1
         try:
-            msg = wire.decode(request, self.limits)
-            op = self._ops.get(msg.op)
-            if op is None:
-                raise _err(f"unknown op {msg.op!r}; valid: {sorted(self._ops)}")
-            return op(msg)
+            reply = await self._serve_call(context)
+        finally:
+            self._in_flight -= 1
+        if isinstance(reply, _Abort):
+            self._refused(reply.status, peer, reply.detail)
+            await context.abort(getattr(grpc.StatusCode, reply.status), reply.detail)
+        return reply
+
+    async def _serve_call(self, context: grpc.aio.ServicerContext) -> bytes | _Abort:
+        """The reply, or the refusal as a value: never a raised exception here, because an
+        exception's traceback would keep this frame (and the request's megabytes) alive in
+        a reference cycle until the next garbage collection."""
+        try:
+            request = await asyncio.wait_for(context.read(), timeout=self.body_timeout)
+        except asyncio.TimeoutError:
+            return _Abort("DEADLINE_EXCEEDED", f"request body not received within "
+                          f"body_timeout={self.body_timeout:g} s")
+        if not isinstance(request, bytes):
+            return _Abort("INVALID_ARGUMENT", "the call carried no request message")
+        assert self._loop is not None and self._executor is not None
+        loop = asyncio.get_running_loop()
+        failure: _Abort
+        try:
+            # One hop to a tensor thread: decode and run the op there (the loop only moves
+            # bytes); wait_version comes back decoded and waits on the loop.
+            out = await loop.run_in_executor(self._executor, self._run, request)
+            del request
+            if isinstance(out, Message):
+                return await self._wait_version(out, context)
+            return out
         except WireError as exc:
-            status, detail = exc.status, str(exc)
+            failure = _Abort(exc.status, str(exc))
         except (ValueError, TypeError) as exc:
-            status, detail = "INVALID_ARGUMENT", str(exc)
+            failure = _Abort("INVALID_ARGUMENT", str(exc))
+        except RuntimeError as exc:
+            if self._stopped.is_set():  # the executor is shut down: we are stopping
+                failure = _Abort("UNAVAILABLE", "the shard is stopping")
+            else:
+                failure = self._internal(exc)
         except Exception as exc:  # noqa: BLE001 - a shard must survive any single request
-            log.exception("parameter-server shard: unexpected error")
-            status, detail = "INTERNAL", f"{type(exc).__name__}: {exc}"
-        context.abort(getattr(grpc.StatusCode, status), detail)
-        raise AssertionError("unreachable")  # context.abort raises
+            failure = self._internal(exc)
+        return failure
+
+    def _internal(self, exc: BaseException) -> _Abort:
+        where = exc.__traceback__
+        while where is not None and where.tb_next is not None:
+            where = where.tb_next
+        at = (f" at {os.path.basename(where.tb_frame.f_code.co_filename)}:{where.tb_lineno}"
+              if where is not None else "")
+        self._throttle(f"INTERNAL:{type(exc).__name__}", logging.ERROR,
+                       f"parameter-server shard {self.address}: unexpected "
+                       f"{type(exc).__name__}{at}: {str(exc)[:300]}")
+        return _Abort("INTERNAL", f"{type(exc).__name__}: {exc}")
+
+    def _decode(self, request: bytes) -> Message:
+        msg = wire.decode(request, self.limits)
+        if msg.op not in self._ops and msg.op != "wait_version":
+            raise _err(f"unknown op {msg.op!r}; valid: {sorted([*self._ops, 'wait_version'])}")
+        names = [e.name for e in msg.entries]
+        if len(set(names)) != len(names):
+            dup = _first_repeat(names)
+            raise _err(f"{msg.op}: tensor {dup!r} appears more than once in one request; send "
+                       "each tensor once")
+        return msg
+
+    def _run(self, request: bytes) -> bytes | Message:
+        msg = self._decode(request)
+        if msg.op == "wait_version":
+            return msg
+        return self._ops[msg.op](msg)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -265,9 +503,22 @@ class ShardServer:
             return [self._slots[k] for k in sorted(self._slots)]
         return [self._slot(n) for n in names]
 
+    def _check_reply(self, op: str, tensors: Sequence[tuple[str, int]], extra: int = 0) -> None:
+        """Refuse, before allocating anything, a reply that would exceed max_message_bytes."""
+        # Per tensor: its bytes, alignment, and its JSON entry (name, dtype, shape, offsets).
+        total = 1024 + extra + sum(nbytes + 8 + 200 + 2 * len(name) for name, nbytes in tensors)
+        if total > self.limits.max_message_bytes:
+            raise _err(f"{op}: the reply would be about {total} bytes, above this shard's "
+                       f"max_message_bytes={self.limits.max_message_bytes}. Fix: ask for fewer "
+                       "tensors per call (more shards or a partitioner split big tensors), or "
+                       "raise max_message_bytes on the shard and the client",
+                       "RESOURCE_EXHAUSTED")
+
     def _snapshot(self, slots: Sequence[_Slot], op: str = "values",
                   fields: dict[str, Any] | None = None) -> bytes:
         """Encode the values of ``slots`` as one consistent snapshot."""
+        self._check_reply(op, [(s.name, s.value.nbytes) for s in slots],
+                          extra=len(json.dumps(fields or {})))
         # The given slots' own locks (a slot replaced by set_state meanwhile keeps its lock), in
         # a fixed order: no deadlock.
         unique = sorted({id(s): s for s in slots}.values(), key=lambda s: s.name)
@@ -281,33 +532,53 @@ class ShardServer:
                 lk.release()
 
     def _notify(self) -> None:
-        with self._versions:
-            self._versions.notify_all()
+        # Called from tensor threads after a version changed; wakes the waiting coroutines.
+        if self._num_waiters and self._loop is not None:
+            self._loop.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        ev = self._changed
+        if ev is not None:
+            self._changed = asyncio.Event()
+            ev.set()
 
     def _make_slot(self, name: str, value: torch.Tensor, mode: str, spec: Any,
-                   replicas: int) -> _Slot:
+                   replicas: Any) -> _Slot:
         if mode not in _MODES:
             raise _err(f"tensor {name!r}: mode must be one of {_MODES}, got {mode!r}")
-        param = torch.nn.Parameter(value.detach().clone(), requires_grad=value.is_floating_point())
-        optimizer = None
+        if not _is_int(replicas) or replicas < 1:
+            raise _err(f"replicas_to_aggregate must be a positive integer, got {replicas!r}")
         if mode != "elastic":
             if spec is None:
                 raise _err(f"tensor {name!r}: mode {mode!r} needs an optimizer spec")
-            if not param.is_floating_point():
+            if not value.is_floating_point():
                 raise _err(f"tensor {name!r} has dtype {value.dtype}; only floating-point "
                            "tensors can be optimized on a shard")
-            optimizer = ps_optim.build_optimizer(spec, param)
-        if not isinstance(replicas, int) or replicas < 1:
-            raise _err(f"replicas_to_aggregate must be a positive integer, got {replicas!r}")
+            ps_optim.check_spec(spec)  # torch's own errors, before any allocation
+        _require_finite(value, f"initial value of {name!r}")
+        param = torch.nn.Parameter(value.detach().clone(), requires_grad=value.is_floating_point())
+        optimizer = ps_optim.build_optimizer(spec, param) if mode != "elastic" else None
         return _Slot(name, param.data, mode, spec, optimizer, replicas,
                      sgd_lr=_plain_sgd_lr(spec) if optimizer is not None else None)
 
-    def _grad(self, slot: _Slot, g: torch.Tensor) -> torch.Tensor:
+    def _check_quota(self, op: str, adding: int, freeing: int = 0) -> None:
+        """Caller holds ``_registry_lock``."""
+        after = self._charged - freeing + adding
+        if adding > freeing and after > self.max_bytes:
+            raise _err(f"{op}: registering {adding} more bytes (tensors plus optimizer state) "
+                       f"would bring shard {self.address} to {after} bytes, above its quota "
+                       f"max_bytes={self.max_bytes}. Fix: use more shards, or start the shard "
+                       "with a larger --max-bytes", "RESOURCE_EXHAUSTED")
+
+    def _check_grad(self, slot: _Slot, g: torch.Tensor, what: str = "gradient") -> None:
         if tuple(g.shape) != tuple(slot.value.shape):
-            raise _err(f"gradient for {slot.name!r} has shape {tuple(g.shape)}, the tensor has "
+            raise _err(f"{what} for {slot.name!r} has shape {tuple(g.shape)}, the tensor has "
                        f"{tuple(slot.value.shape)}", "FAILED_PRECONDITION")
         if not g.is_floating_point():
-            raise _err(f"gradient for {slot.name!r} has non-float dtype {g.dtype}")
+            raise _err(f"{what} for {slot.name!r} has non-float dtype {g.dtype}")
+        _require_finite(g, f"{what} for {slot.name!r}")
+
+    def _grad(self, slot: _Slot, g: torch.Tensor) -> torch.Tensor:
         return g.to(slot.value.dtype)  # upcasts fp16/bf16-compressed gradients
 
     def _apply(self, slot: _Slot, grad: torch.Tensor) -> None:
@@ -319,8 +590,10 @@ class ShardServer:
             return
         param = slot.optimizer.param_groups[0]["params"][0]
         param.grad = grad
-        slot.optimizer.step()
-        param.grad = None
+        try:
+            slot.optimizer.step()
+        finally:
+            param.grad = None
 
     def _offer(self, slot: _Slot, base: int | None, max_staleness: int | None,
                grad: Callable[[], torch.Tensor]) -> list[Any]:
@@ -370,14 +643,19 @@ class ShardServer:
     def _health(self, msg: Message) -> bytes:
         with self._registry_lock:
             slots = list(self._slots.values())
-        return wire.encode("health", {
+            charged = self._charged
+        fields = {
             "ok": True, "pid": os.getpid(), "num_tensors": len(slots),
             "bytes": sum(s.value.nbytes for s in slots), "dropped": sum(s.dropped for s in slots),
+            "charged_bytes": charged, "max_bytes": self.max_bytes,
+            "calls_in_flight": self._in_flight,
             "uptime_seconds": time.monotonic() - self._started,
             "versions": {s.name: s.version for s in slots},
             # As a request handler sees it: the width of each optimizer step (see serve()).
             "intra_op_threads": torch.get_num_threads(),
-        })
+        }
+        self._check_reply("health", [], extra=64 * len(slots) + sum(len(s.name) for s in slots))
+        return wire.encode("health", fields)
 
     def _register(self, msg: Message) -> bytes:
         specs = msg.fields.get("specs", [])
@@ -385,8 +663,11 @@ class ShardServer:
         if not isinstance(specs, list) or not isinstance(meta, list) or len(meta) != len(
                 msg.entries):
             raise _err("register needs fields 'specs' (list) and 'entries' (one per tensor)")
-        created: list[str] = []
-        with self._registry_lock:  # whole registration is atomic: first registration wins
+        # The reply holds every named tensor: refuse a too-big one before creating anything.
+        self._check_reply("register", [(e.name, e.tensor.nbytes) for e in msg.entries])
+        with self._registry_lock:  # all or nothing; the first registration of a name wins
+            todo: list[tuple[Entry, str, Any, Any]] = []
+            cost = 0
             for e, m in zip(msg.entries, meta, strict=True):
                 if not isinstance(m, dict):
                     raise _err("register: each entry must be an object")
@@ -402,15 +683,20 @@ class ShardServer:
                 idx = m.get("spec")
                 spec = None
                 if idx is not None:
-                    if not isinstance(idx, int) or not 0 <= idx < len(specs):
+                    if not _is_int(idx) or not 0 <= idx < len(specs):
                         raise _err(f"register: bad spec index {idx!r}")
                     spec = specs[idx]
-                self._slots[e.name] = self._make_slot(
-                    e.name, e.tensor, m.get("mode", "async"), spec,
-                    m.get("replicas_to_aggregate", 1))
-                created.append(e.name)
+                mode = m.get("mode", "async")
+                cost += _cost(e.tensor, mode, spec)
+                todo.append((e, mode, spec, m.get("replicas_to_aggregate", 1)))
+            self._check_quota("register", cost)
+            new = [self._make_slot(e.name, e.tensor, mode, spec, replicas)
+                   for e, mode, spec, replicas in todo]  # any refusal: nothing was inserted
+            for slot in new:
+                self._slots[slot.name] = slot
+            self._charged += cost
             slots = [self._slots[e.name] for e in msg.entries]
-        return self._snapshot(slots, "register", {"created": created})
+        return self._snapshot(slots, "register", {"created": [s.name for s in new]})
 
     def _pull(self, msg: Message) -> bytes:
         return self._snapshot(self._select(_names(msg.fields)))
@@ -424,6 +710,11 @@ class ShardServer:
         rows = slot.value.shape[0]
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
             raise _err(f"pull_rows: indices must be in [0, {rows}) for {name!r}")
+        if idx.numel() > 1 and int(torch.unique(idx).numel()) != idx.numel():
+            raise _err(f"pull_rows: indices for {name!r} repeat a row; ask for each row once "
+                       "(the client expands repeats locally)")
+        row_bytes = slot.value.nbytes // max(1, rows)
+        self._check_reply("pull_rows", [(slot.name, idx.numel() * row_bytes)])
         with slot.lock:
             out = slot.value.index_select(0, idx)
             version = slot.version
@@ -433,11 +724,24 @@ class ShardServer:
         max_staleness = _int(msg.fields, "max_staleness")
         fetch = _names(msg.fields, "fetch")
         wanted = [self._slot(n) for n in fetch] if fetch is not None else []
-        results = []
+        # Everything is checked before anything is applied: one bad tensor refuses the request.
+        checked: list[tuple[_Slot, Entry]] = []
         for e in msg.entries:
             slot = self._slot(e.name)
-            results.append(self._offer(slot, e.version, max_staleness,
-                                       functools.partial(self._grad, slot, e.tensor)))
+            if slot.mode == "elastic":
+                raise _err(f"tensor {slot.name!r} is registered for elastic averaging; it "
+                           "takes 'elastic' exchanges, not gradient pushes",
+                           "FAILED_PRECONDITION")
+            if e.version is None:
+                raise _err(f"gradient for {slot.name!r} carries no base version")
+            self._check_grad(slot, e.tensor)
+            checked.append((slot, e))
+        if fetch is not None:
+            self._check_reply("push", [(s.name, s.value.nbytes) for s in wanted],
+                              extra=64 * len(checked))
+        results = [self._offer(slot, e.version, max_staleness,
+                               functools.partial(self._grad, slot, e.tensor))
+                   for slot, e in checked]
         if fetch is None:
             return wire.encode("pushed", {"results": results})
         # Push and fetch in one round trip (a Downpour step): the values after this push.
@@ -450,11 +754,13 @@ class ShardServer:
         idx, values = t.get("indices"), t.get("values")
         shape = tuple(slot.value.shape)
         if (idx is None or values is None or idx.dtype != torch.int64 or idx.dim() != 1
-                or len(shape) < 1 or tuple(values.shape) != (idx.numel(), *shape[1:])):
-            raise _err(f"push_sparse for {name!r} needs 1-D int64 'indices' (n,) and 'values' "
-                       f"of shape (n, *{shape[1:]})")
+                or len(shape) < 1 or tuple(values.shape) != (idx.numel(), *shape[1:])
+                or not values.is_floating_point()):
+            raise _err(f"push_sparse for {name!r} needs 1-D int64 'indices' (n,) and float "
+                       f"'values' of shape (n, *{shape[1:]})")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
             raise _err(f"push_sparse: indices must be in [0, {shape[0]}) for {name!r}")
+        _require_finite(values, f"gradient rows for {slot.name!r}")
         base = next(e.version for e in msg.entries if e.name == "values")
         sparse = slot.mode == "async" and slot.spec is not None and ps_optim.supports_sparse(
             slot.spec)
@@ -470,47 +776,66 @@ class ShardServer:
         result = self._offer(slot, base, _int(msg.fields, "max_staleness"), grad)
         return wire.encode("pushed", {"results": [result]})
 
-    def _wait_version(self, msg: Message) -> bytes:
+    async def _wait_version(self, msg: Message, context: grpc.aio.ServicerContext) -> bytes:
         target = _int(msg.fields, "min_version", 0) or 0
         per_name = msg.fields.get("min_versions")
         if per_name is not None and (not isinstance(per_name, dict) or not all(
                 _is_int(v) for v in per_name.values())):
             raise _err("field 'min_versions' must be an object of name -> integer")
         timeout = min(_float(msg.fields, "timeout", 60.0), self.max_wait_seconds)
+        left = context.time_remaining()
+        if left is not None:  # answer (with reached=False) before the caller's deadline
+            timeout = min(timeout, left - 0.5)
         slots = self._select(_names(msg.fields))
         fetch = _names(msg.fields, "fetch")
+        wanted = slots if fetch is None else [self._slot(n) for n in fetch]
+        self._check_reply("wait_version", [(s.name, s.value.nbytes) for s in wanted],
+                          extra=sum(32 + len(s.name) for s in slots))
         goals = [(s, max(target, int((per_name or {}).get(s.name, 0)))) for s in slots]
 
         def reached() -> bool:
             return all(s.version >= goal for s, goal in goals)
 
-        with self._versions:
-            # Waiters hold server threads; past half the pool, answer "not yet" quickly so the
-            # pushes that would end the wait still find a thread (the client polls again).
-            if self._waiters >= self._max_workers // 2:
-                timeout = min(timeout, 0.05)
-            self._waiters += 1
-            try:
-                self._versions.wait_for(lambda: self._stopped.is_set() or reached(),
-                                        timeout=max(0.0, timeout))
-            finally:
-                self._waiters -= 1
+        # A waiting call is a coroutine, not a thread: any number of waiters costs nothing.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout)
+        self._num_waiters += 1
+        try:
+            while not self._stopped.is_set() and not reached():
+                changed = self._changed
+                if changed is None or reached():  # re-check: a push may have just landed
+                    break
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+        finally:
+            self._num_waiters -= 1
+        fields = {"reached": reached(), "versions": {s.name: s.version for s in slots}}
+        assert self._executor is not None
         # Values only for ``fetch`` (all by default): a caller that reads sparse rows on demand
         # needs the versions of an embedding, not its megabytes.
-        wanted = slots if fetch is None else [self._slot(n) for n in fetch]
-        return self._snapshot(wanted, "values", {
-            "reached": reached(), "versions": {s.name: s.version for s in slots}})
+        return await loop.run_in_executor(self._executor, self._snapshot, wanted, "values",
+                                          fields)
 
     def _elastic(self, msg: Message) -> bytes:
         a = _float(msg.fields, "moving_rate")
         if not 0.0 < a <= 1.0:
             raise _err(f"moving_rate must be in (0, 1], got {a}")
-        out = []
+        checked: list[tuple[_Slot, Entry]] = []
         for e in msg.entries:
             slot = self._slot(e.name)
             if slot.mode != "elastic":
                 raise _err(f"tensor {e.name!r} is registered in mode {slot.mode!r}, not "
                            "'elastic'", "FAILED_PRECONDITION")
+            self._check_grad(slot, e.tensor, "elastic exchange")
+            checked.append((slot, e))
+        self._check_reply("elastic", [(s.name, s.value.nbytes) for s, _ in checked])
+        out = []
+        for slot, e in checked:
             x = self._grad(slot, e.tensor)
             with slot.lock:
                 d = x - slot.value
@@ -522,83 +847,198 @@ class ShardServer:
 
     def _set_hyperparams(self, msg: Message) -> bytes:
         hyper = msg.fields.get("hyperparams")
-        if not isinstance(hyper, dict):
-            raise _err("set_hyperparams needs a 'hyperparams' object")
-        changed = 0
+        if not isinstance(hyper, dict) or "name" in hyper:
+            raise _err("set_hyperparams needs a 'hyperparams' object (without 'name')")
+        # Validate every new configuration the way torch would before changing any slot.
+        planned = []
         for slot in self._select(_names(msg.fields)):
             if slot.optimizer is None or slot.spec is None:
                 continue
             spec = {**slot.spec, **hyper}
-            ps_optim.validate_spec(spec)
+            group = ps_optim.check_spec(spec)
+            keys = set(ps_optim.validate_spec(spec)) & set(hyper)
+            planned.append((slot, spec, {k: group[k] for k in keys if k in group}))
+        for slot, spec, values in planned:
             with slot.lock:
                 slot.spec = spec
                 slot.sgd_lr = _plain_sgd_lr(spec)
-                group = slot.optimizer.param_groups[0]
-                for k, v in hyper.items():
-                    group[k] = tuple(v) if isinstance(v, list) else v
-            changed += 1
-        return wire.encode("ok", {"changed": changed})
+                slot.optimizer.param_groups[0].update(values)  # type: ignore[union-attr]
+        return wire.encode("ok", {"changed": len(planned)})
 
     def _get_state(self, msg: Message) -> bytes:
         slots = self._select(_names(msg.fields))
-        entries: list[Entry] = []
-        metas: list[dict[str, Any]] = []
-        for slot in slots:
-            with slot.lock:
+        unique = sorted({id(s): s for s in slots}.values(), key=lambda s: s.name)
+        for s in unique:
+            s.lock.acquire()
+        try:
+            entries: list[Entry] = []
+            metas: list[dict[str, Any]] = []
+            for slot in slots:
                 meta: dict[str, Any] = {
                     "name": slot.name, "version": slot.version, "mode": slot.mode,
                     "spec": slot.spec, "replicas_to_aggregate": slot.replicas_to_aggregate,
                     "param": len(entries), "opt": {}, "scalars": {}}
-                entries.append(Entry(slot.name, slot.value.clone(), slot.version))
+                entries.append(Entry(slot.name, slot.value, slot.version))
                 if slot.optimizer is not None:
                     state = slot.optimizer.state_dict()["state"].get(0, {})
                     for k, v in state.items():
                         if isinstance(v, torch.Tensor):
                             meta["opt"][k] = len(entries)
-                            entries.append(Entry(f"{slot.name}.{k}", v.clone()))
+                            entries.append(Entry(f"{slot.name}.{k}", v))
                         elif isinstance(v, (int, float, bool)):
                             meta["scalars"][k] = v
                 metas.append(meta)
-        return wire.encode("state", {"slots": metas}, entries)
+            fields = {"slots": metas}
+            self._check_reply("get_state", [(e.name, e.tensor.nbytes) for e in entries],
+                              extra=len(json.dumps(fields)))
+            # Encoded under the locks: one consistent copy, no clone per tensor first.
+            return wire.encode("state", fields, entries)
+        finally:
+            for s in reversed(unique):
+                s.lock.release()
 
     def _set_state(self, msg: Message) -> bytes:
         metas = msg.fields.get("slots")
         if not isinstance(metas, list):
             raise _err("set_state needs a 'slots' list")
         n = len(msg.entries)
-        new: list[_Slot] = []
-        for m in metas:
-            if not isinstance(m, dict) or not isinstance(m.get("name"), str):
-                raise _err("set_state: each slot must be an object with a 'name'")
-            pi = m.get("param")
-            if not isinstance(pi, int) or not 0 <= pi < n:
-                raise _err(f"set_state: bad param index {pi!r} for {m['name']!r}")
-            slot = self._make_slot(m["name"], msg.entries[pi].tensor, m.get("mode", "async"),
-                                   m.get("spec"), m.get("replicas_to_aggregate", 1))
-            slot.version = _int(m, "version", 0) or 0
-            opt, scalars = m.get("opt", {}), m.get("scalars", {})
-            if not isinstance(opt, dict) or not isinstance(scalars, dict):
-                raise _err("set_state: 'opt' and 'scalars' must be objects")
-            if slot.optimizer is not None and (opt or scalars):
-                state: dict[str, Any] = dict(scalars)
-                for k, i in opt.items():
-                    if not isinstance(i, int) or not 0 <= i < n:
-                        raise _err(f"set_state: bad optimizer-state index {i!r}")
-                    state[k] = msg.entries[i].tensor.clone()
-                group = {**slot.optimizer.param_groups[0]}
-                group["params"] = [0]
-                slot.optimizer.load_state_dict({"state": {0: state}, "param_groups": [group]})
-            new.append(slot)
-        with self._registry_lock:
+        used: set[int] = set()
+
+        def take(i: Any, what: str) -> torch.Tensor:
+            if not _is_int(i) or not 0 <= i < n:
+                raise _err(f"set_state: bad {what} index {i!r} (the request has {n} tensors)")
+            if i in used:
+                raise _err(f"set_state: tensor {i} is used twice ({what}); each tensor of the "
+                           "request may fill one slot entry")
+            used.add(i)
+            return msg.entries[i].tensor
+
+        with self._registry_lock:  # all or nothing, and the quota checked against the truth
+            plans: list[tuple[dict[str, Any], torch.Tensor, dict[str, torch.Tensor],
+                              dict[str, Any]]] = []
+            names: set[str] = set()
+            adding = freeing = 0
+            for m in metas:
+                if not isinstance(m, dict) or not isinstance(m.get("name"), str):
+                    raise _err("set_state: each slot must be an object with a 'name'")
+                name = m["name"]
+                if name in names:
+                    raise _err(f"set_state: slot {name!r} appears twice")
+                names.add(name)
+                value = take(m.get("param"), f"param of {name!r}")
+                old = self._slots.get(name)
+                if old is not None and (old.value.shape != value.shape
+                                        or old.value.dtype != value.dtype):
+                    raise _err(f"set_state: tensor {name!r} is registered with shape "
+                               f"{tuple(old.value.shape)} {old.value.dtype}, the state has "
+                               f"{tuple(value.shape)} {value.dtype}; restore a checkpoint of "
+                               "the same model", "FAILED_PRECONDITION")
+                opt, scalars = m.get("opt", {}), m.get("scalars", {})
+                if not isinstance(opt, dict) or not isinstance(scalars, dict):
+                    raise _err("set_state: 'opt' and 'scalars' must be objects")
+                mode, spec = m.get("mode", "async"), m.get("spec")
+                tensors = {k: take(i, f"optimizer state {k!r} of {name!r}")
+                           for k, i in opt.items()}
+                if opt or scalars:
+                    if mode == "elastic" or not isinstance(spec, dict):
+                        raise _err(f"set_state: {name!r} has optimizer state but no optimizer")
+                    self._check_opt_state(name, value, spec, tensors, scalars)
+                adding += _cost(value, mode, spec)
+                if old is not None:
+                    freeing += _cost(old.value, old.mode, old.spec)
+                plans.append((m, value, tensors, scalars))
+            self._check_quota("set_state", adding, freeing)
+            new: list[_Slot] = []
+            for m, value, tensors, scalars in plans:
+                slot = self._make_slot(m["name"], value, m.get("mode", "async"), m.get("spec"),
+                                       m.get("replicas_to_aggregate", 1))
+                slot.version = _int(m, "version", 0) or 0
+                if slot.optimizer is not None and (tensors or scalars):
+                    state: dict[str, Any] = dict(scalars)
+                    state.update({k: t.clone() for k, t in tensors.items()})
+                    group = {**slot.optimizer.param_groups[0]}
+                    group["params"] = [0]
+                    slot.optimizer.load_state_dict({"state": {0: state}, "param_groups": [group]})
+                new.append(slot)
             for slot in new:
                 self._slots[slot.name] = slot
+            self._charged += adding - freeing
         self._notify()
         return wire.encode("ok", {"restored": [s.name for s in new]})
+
+    @staticmethod
+    def _check_opt_state(name: str, value: torch.Tensor, spec: dict[str, Any],
+                         tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+        layout = ps_optim.state_layout(spec)
+        given = set(tensors) | set(scalars)
+        if given != set(layout):
+            raise _err(f"set_state: optimizer state of {name!r} has entries {sorted(given)}, "
+                       f"optimizer {spec.get('name')!r} keeps {sorted(layout)}; save and "
+                       "restore with the same optimizer")
+        for k, t in tensors.items():
+            if layout[k]:
+                ok = tuple(t.shape) == tuple(value.shape) and t.is_floating_point()
+            else:
+                ok = t.numel() == 1
+            if not ok:
+                raise _err(f"set_state: optimizer state {k!r} of {name!r} has shape "
+                           f"{tuple(t.shape)} {t.dtype}; expected "
+                           f"{tuple(value.shape) if layout[k] else 'one element'}")
+            _require_finite(t, f"optimizer state {k!r} of {name!r}")
+        for k, v in scalars.items():
+            if not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+                raise _err(f"set_state: optimizer scalar {k!r} of {name!r} must be a finite "
+                           f"number, got {v!r}")
 
     def _shutdown(self, msg: Message) -> bytes:
         # Stop from another thread: stopping inside a handler would wait on this very call.
         threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
         return wire.encode("ok", {"stopping": True})
+
+
+def _state_copies(mode: str, spec: Any) -> int:
+    """How many parameter-sized buffers the slot's optimizer (and sync accumulator) keeps."""
+    if mode == "elastic" or not isinstance(spec, dict):
+        return 0
+    name = str(spec.get("name", "")).lower()
+    if name == "sgd":
+        n = 1 if spec.get("momentum") else 0
+    elif name in ("adam", "adamw"):
+        n = 3 if spec.get("amsgrad") else 2
+    elif name == "rmsprop":
+        n = 1 + bool(spec.get("momentum")) + bool(spec.get("centered"))
+    else:
+        n = 1
+    return n + (1 if mode == "sync" else 0)
+
+
+def _cost(value: torch.Tensor, mode: Any, spec: Any) -> int:
+    return value.nbytes * (1 + _state_copies(str(mode), spec))
+
+
+def _finite(t: torch.Tensor) -> bool:
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    # One reduction (no boolean copy of the tensor): NaN or Inf anywhere makes the sum
+    # non-finite; only if it is do we look closer (a finite tensor whose sum overflows).
+    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+    if bool(torch.isfinite(total)):
+        return True
+    # Exact and still allocation-free (isfinite(t).all() is ~50x slower): max and min
+    # propagate NaN, and an infinity is one of them.
+    return bool(torch.isfinite(t.amax())) and bool(torch.isfinite(t.amin()))
+
+
+def _require_finite(t: torch.Tensor, what: str) -> None:
+    if not _finite(t):
+        raise _err(f"{what} holds NaN or Inf; refused so the shared model stays finite. Fix: "
+                   "skip non-finite steps on the worker (on_nonfinite='skip', or fp16 loss "
+                   "scaling), or lower the learning rate")
+
+
+def _bracketed(host: str) -> str:
+    h = host.strip("[]")
+    return f"[{h}]" if ":" in h else host
 
 
 def _plain_sgd_lr(spec: dict[str, Any] | None) -> float | None:
@@ -682,28 +1122,71 @@ def serve(host: str = "127.0.0.1", port: int = 0, *, port_file: str | os.PathLik
     return bound
 
 
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """The shard's security and limit flags (shared by ``python -m stratagem.ps.server`` and
+    ``stratagem ps``)."""
+    p.add_argument("--token-file", default=None,
+                   help="file holding the shared token (default: env STRATAGEM_PS_TOKEN, then "
+                        "the file in STRATAGEM_PS_TOKEN_FILE); an empty file is an error")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    p.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest request or reply (default %(default)s)")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="quota on registered tensors plus optimizer state (default "
+                        "%(default)s = 8 GiB)")
+    p.add_argument("--max-concurrent-streams", type=int, default=32,
+                   help="calls one connection may have in flight (default %(default)s)")
+    p.add_argument("--max-connection-age", type=float, default=3600.0,
+                   help="seconds before a connection is recycled (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=120.0,
+                   help="seconds a request body may take to arrive (default %(default)s)")
+    p.add_argument("--threads", type=int, default=4,
+                   help="threads for tensor work (optimizer steps, encoding; default "
+                        "%(default)s)")
+    p.add_argument("--intra-op-threads", type=int, default=1,
+                   help="torch intra-op threads per optimizer step (default 1: the shard "
+                        "parallelises across requests; 0 keeps torch's default)")
+
+
+def serve_from_args(args: argparse.Namespace, prog: str) -> int:
+    """Run :func:`serve` from parsed :func:`add_limit_arguments` flags; start-up errors
+    (empty token, bad TLS material, port in use, bad limits) print one line and return 2."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print(f"{prog}: error: TLS needs both --tls-cert and --tls-key, got only "
+              f"{'--tls-cert' if args.tls_cert else '--tls-key'}", file=sys.stderr)
+        return 2
+    try:
+        token = (ps_auth.read_token_file(args.token_file)
+                 if args.token_file is not None else None)
+        serve(args.host, args.port, port_file=args.port_file, token=token,
+              tls_cert=args.tls_cert, tls_key=args.tls_key,
+              max_message_bytes=args.max_message_bytes, max_bytes=args.max_bytes,
+              max_concurrent_streams=args.max_concurrent_streams,
+              max_connection_age=args.max_connection_age, body_timeout=args.body_timeout,
+              max_workers=args.threads, intra_op_threads=args.intra_op_threads or None,
+              parent_pid=getattr(args, "parent_pid", None))
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m stratagem.ps.server",
                                 description="Run one stratagem parameter-server shard.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--port-file", default=None, help="write the bound port here once listening")
-    p.add_argument("--tls-cert", default=None)
-    p.add_argument("--tls-key", default=None)
-    p.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES)
-    p.add_argument("--intra-op-threads", type=int, default=1,
-                   help="torch intra-op threads per optimizer step (default 1: the shard "
-                        "parallelises across requests; 0 keeps torch's default)")
+    add_limit_arguments(p)
     p.add_argument("--parent-pid", type=int, default=None,
                    help="stop when this process (the launcher) is no longer our parent")
     args = p.parse_args(argv)
     if args.intra_op_threads < 0:
         p.error(f"--intra-op-threads must be >= 0, got {args.intra_op_threads}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    serve(args.host, args.port, port_file=args.port_file, tls_cert=args.tls_cert,
-          tls_key=args.tls_key, max_message_bytes=args.max_message_bytes,
-          intra_op_threads=args.intra_op_threads or None, parent_pid=args.parent_pid)
-    return 0
+    return serve_from_args(args, p.prog)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses as inf: a number must stay a number
+        raise ValueError(f"number {text[:40]} overflows to {value}")
+    return value
+
+
 def _depth(obj: Any, limit: int, level: int = 0) -> None:
     if level > limit:
         raise WireError(f"header JSON nested deeper than {limit} levels")
@@ -260,7 +267,8 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
         raise WireError(f"header length {header_len} runs past the end of a {size}-byte message")
     try:
         header = json.loads(bytes(memoryview(data)[_PREFIX.size:head_end]).decode("utf-8"),
-                            parse_constant=_reject_constant)
+                            parse_constant=_reject_constant,
+                            parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise WireError(f"header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict) or set(header) != _HEADER_KEYS:

@@ -233,9 +233,9 @@ class ElasticAveraging(Strategy):
             self._client = PSClient(self.ps_addresses, timeout=self.timeout)
             self._client.wait_ready(timeout=self.timeout)
         st.table = ShardedParameters(self._client, self._named(st), mode="elastic")
-        # First registration wins: a worker starting (or restarting) after others gets the
-        # current center here and starts from it.
-        center = st.table.register()
+        # The chief registers the center from its initial model, the others wait for it and
+        # pull (issue 11); a worker (re)starting later gets the current center either way.
+        center = st.table.join(register=self.is_chief, timeout=self.timeout)
         self._fold_ps_bytes()
         with torch.no_grad():
             for k, t in zip(st.keys, st.tensors, strict=True):
@@ -322,13 +322,16 @@ class ElasticAveraging(Strategy):
         step, as the next scheduled exchange would have. The workers are pulled as in any
         exchange; they do not become equal to the center (EASGD never makes them equal).
         Sync mode: a collective, and every worker counts the same local steps, so all agree
-        on whether to exchange. Async mode: each worker exchanges with the shards alone.
-        Training may continue; a second call is a no-op."""
+        on whether to exchange. Async mode: each worker exchanges with the shards alone, then
+        the workers sharing this strategy's process group (if any) meet at a barrier, so no
+        worker reads or saves the center before the others' last exchanges have landed.
+        Training may continue; a second call exchanges nothing."""
         st: _ElasticState = prepared.state["easgd"]
-        if prepared.local_steps == st.exchanged_at:
-            return
-        self._exchange(st, pull_params=self.rho <= 0)
-        st.exchanged_at = prepared.local_steps
+        if prepared.local_steps != st.exchanged_at:
+            self._exchange(st, pull_params=self.rho <= 0)
+            st.exchanged_at = prepared.local_steps
+        if self.mode == "async":
+            self.comm.barrier()
 
     def _penalty_form(self, prepared: Prepared, st: _ElasticState, opt: StrategyOptimizer
                       ) -> None:

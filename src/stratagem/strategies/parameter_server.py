@@ -226,8 +226,8 @@ class ParameterServer(Strategy):
 
     # ------------------------------------------------------------------ setup
     def _initial_sync(self, model: nn.Module) -> None:
-        # No collective: a (re)starting worker registers (first registration wins) and starts
-        # from the values on the shards in _setup, without waiting for anyone.
+        # No collective: the chief registers, the others wait for its values on the shards
+        # (_setup); a (re)starting worker starts from the current values without waiting.
         pass
 
     def _setup(self, prepared: Prepared) -> None:
@@ -282,9 +282,11 @@ class ParameterServer(Strategy):
         st.opts = opt_states
         prepared.state["ps"] = st
         if by_key:
-            # First registration wins: a worker starting after others starts from the current
-            # values, and pushes nothing before it has them.
-            values = table.register()
+            # The chief registers its initial weights; the others wait for them and pull, so
+            # a run does not depend on which worker registered first (issue 11). A worker
+            # (re)starting later gets the current values either way, and pushes nothing
+            # before it has them.
+            values = table.join(register=self.is_chief, timeout=self.timeout)
             versions = table.versions
             with torch.no_grad():
                 for k, p in by_key.items():

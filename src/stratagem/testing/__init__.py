@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._rendezvous import loopback_tcp_store
 from ..comm import Comm
 
 __all__ = ["run_ranks", "gloo_group"]
@@ -51,8 +52,9 @@ def run_ranks(
     On failure the first rank's exception is re-raised (with the rank in its notes); a rank
     still running after ``timeout`` seconds raises ``TimeoutError`` instead of hanging.
     """
-    master = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=comm_timeout))
+    # Loopback only (issue 10): torch's own master store would listen on every interface.
+    master = loopback_tcp_store("127.0.0.1", 0, world_size=world_size,
+                                timeout=timedelta(seconds=comm_timeout))
     prefix = f"run{next(_runs)}"
     results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException, str]] = []
