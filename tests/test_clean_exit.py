@@ -84,6 +84,27 @@ def test_close_joins_the_process_group_threads(name: str) -> None:
         assert all("closed Mirrored strategy" in r["error"][0] for r in results)
 
 
+def _strategies_in_turn() -> list[int]:
+    """What ``stratagem demo`` does: several strategies, one after the other, each closed
+    before the next is built. Rank 1 builds each later one a second late, so rank 0 looks for
+    rank 1's gloo address first: with one store prefix for every group it read the address of
+    rank 1's closed group ("Connection refused")."""
+    import time
+
+    sums = []
+    for i, name in enumerate(["mirrored", "local_sgd", "diloco"]):
+        if i and os.environ["RANK"] == "1":
+            time.sleep(1.0)
+        strategy = sg.from_name(name, timeout=30)
+        sums.append(strategy.reduce("sum", 1))
+        strategy.close()
+    return sums
+
+
+def test_a_strategy_built_after_close_gets_a_fresh_process_group() -> None:
+    assert sg.launch(_strategies_in_turn, nprocs=2, timeout=90) == [[2, 2, 2], [2, 2, 2]]
+
+
 @pytest.mark.parametrize("ending", ["close", "exit"])
 def test_no_backend_thread_left_when_finalization_starts(tmp_path: Path, ending: str) -> None:
     script = tmp_path / "probe.py"

@@ -53,6 +53,11 @@ _LIVE_HEARTBEATS: weakref.WeakSet[_Heartbeat] = weakref.WeakSet()
 _LIVE_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
 #: True while the default process group is one that ``Comm.from_env`` created.
 _OWNS_DEFAULT_GROUP = False
+#: How many default groups ``from_env`` has created in this process. Every worker builds and
+#: closes its strategies in the same order, so the count agrees across workers and names a
+#: fresh store prefix for each group: a group re-created after ``close()`` must not read the
+#: previous group's gloo addresses (their sockets are closed: "Connection refused").
+_DEFAULT_GROUPS_CREATED = 0
 #: Names Linux gives the threads of a gloo process group (see ``live_backend_threads``).
 _GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -204,11 +209,14 @@ class Comm:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"stratagem/attempt_{attempt}", base)
         backend = "cpu:gloo,cuda:nccl" if (device is not None and device.type == "cuda") else "gloo"
+        global _OWNS_DEFAULT_GROUP, _DEFAULT_GROUPS_CREATED
+        generation = _DEFAULT_GROUPS_CREATED
+        prefix = "default_pg" if generation == 0 else f"default_pg/{generation}"
         dist.init_process_group(
-            backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+            backend, store=dist.PrefixStore(prefix, store), rank=rank,
             world_size=world_size, timeout=timedelta(seconds=timeout),
         )
-        global _OWNS_DEFAULT_GROUP
+        _DEFAULT_GROUPS_CREATED += 1
         _OWNS_DEFAULT_GROUP = True  # destroyed by the last Comm's close, or by release_all
         group = dist.distributed_c10d._get_default_group()
         return cls(group, rank, world_size, store=store, timeout=timeout)
