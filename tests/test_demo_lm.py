@@ -84,7 +84,8 @@ def test_demo_task_lm_runs_every_strategy_in_process(tmp_path, capsys):
                       "--target", "0.5", "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
-    assert "| Mirrored | 1 | not reached |" in out and "DiLoCo" in out and "LocalSGD" in out
+    assert "| Mirrored | 1 | not reached |" in out
+    assert "DiLoCo" in out and "LocalSGD" in out and "EASGD" in out
     rows = json.loads((tmp_path / "results.json").read_text())
-    assert [r["steps"] for r in rows] == [4, 4, 4]
+    assert [r["steps"] for r in rows] == [4, 4, 4, 4]
     assert all(r["reached"] is None and r["final_val_loss"] < 5.0 for r in rows)
