@@ -472,6 +472,7 @@ def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], ta
     fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5.0), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, link in zip(axes[0], links, strict=True):
+        longest = 1.0
         for i, key in enumerate(strategies):
             labelled = False
             for r in runs:
@@ -481,15 +482,18 @@ def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], ta
                 if not points:
                     continue
                 wall, loss = zip(*points, strict=True)
+                longest = max(longest, max(wall))
                 ax.plot(wall, loss, color=colors[i % len(colors)], lw=1.1, alpha=0.8,
                         label=None if labelled else key)
                 labelled = True
         ax.axhline(target, color="k", ls="--", lw=0.8)
         ax.set_title(f"link: {link}")
         ax.set_xscale("log")
+        # From 1 s: the first evaluations come a few milliseconds in and say nothing.
+        ax.set_xlim(1.0, longest * 1.3)
         ax.set_xlabel("training wall-clock (s, log scale)")
         ax.set_ylabel("validation loss of the consensus model (nats/char)")
-        ax.set_ylim(max(0.0, target - 0.4), target + 1.2)
+        ax.set_ylim(max(0.0, target - 0.2), target + 1.0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
     fig.suptitle(f"char-level GPT, 4 workers: validation loss vs wall-clock, one line per seed "
