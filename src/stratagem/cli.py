@@ -29,6 +29,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from .ps.flags import add_shard_arguments, nonneg_int
+
 __all__ = ["main", "subcommand", "build_parser", "torchrun_command", "parse_strategy_args"]
 
 #: Seconds torchrun gets to stop its workers after a forwarded signal (its own grace is 30 s).
@@ -102,15 +104,6 @@ def _positive_int(text: str) -> int:
             "e.g. --nproc 2")
     return value
 
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _nnodes(text: str) -> str:
@@ -198,18 +191,18 @@ def torchrun_command(args: argparse.Namespace, *, master_port: int | None = None
 def _configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=_positive_int, required=True,
                    help="worker processes on this node")
-    p.add_argument("--num-ps", type=_nonneg_int, default=0,
+    p.add_argument("--num-ps", type=nonneg_int, default=0,
                    help="parameter-server shard processes to start first (single node)")
     p.add_argument("--nnodes", type=_nnodes, default=None,
                    help="N or MIN:MAX nodes (default 1: everything listens on 127.0.0.1 only). "
                         "With more than one node the rendezvous store listens on every "
                         "interface, unauthenticated: see the note below")
-    p.add_argument("--node-rank", type=_nonneg_int, default=None)
+    p.add_argument("--node-rank", type=nonneg_int, default=None)
     p.add_argument("--master-addr", default=None,
                    help="address of node 0's rendezvous store (default 127.0.0.1 on one node; "
                         "a non-loopback address exposes the store: see the note below)")
-    p.add_argument("--master-port", type=_nonneg_int, default=None)
-    p.add_argument("--max-restarts", type=_nonneg_int, default=None)
+    p.add_argument("--master-port", type=nonneg_int, default=None)
+    p.add_argument("--max-restarts", type=nonneg_int, default=None)
     p.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend (c10d...)")
     p.add_argument("--rdzv-endpoint", default=None)
     p.add_argument("--rdzv-id", default=None)
@@ -370,34 +363,7 @@ def _supervise(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def _configure_ps(p: argparse.ArgumentParser) -> None:
-    # The same flags as ``python -m stratagem.ps.server`` (stratagem.ps.server.
-    # add_limit_arguments), spelled out here so `stratagem --help` need not import grpc.
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (0.0.0.0 or :: to accept other machines: then use "
-                        "a token and TLS)")
-    p.add_argument("--port", type=_nonneg_int, required=True, help="port (0: pick a free one)")
-    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
-    p.add_argument("--token-file", default=None,
-                   help="file holding the shared token (default: the file in env "
-                        "STRATAGEM_PS_TOKEN_FILE, then env STRATAGEM_PS_TOKEN); an empty "
-                        "token is an error")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
-    p.add_argument("--max-bytes", type=_nonneg_int, default=8 << 30,
-                   help="quota on registered tensors plus optimizer state, in bytes "
-                        "(default %(default)s = 8 GiB)")
-    p.add_argument("--max-message-bytes", type=_nonneg_int, default=1 << 30,
-                   help="largest request or reply in bytes (default %(default)s)")
-    p.add_argument("--max-concurrent-streams", type=_nonneg_int, default=32,
-                   help="calls one connection may have in flight (default %(default)s)")
-    p.add_argument("--max-connection-age", type=float, default=3600.0,
-                   help="seconds before a connection is recycled (default %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=120.0,
-                   help="seconds a request body may take to arrive (default %(default)s)")
-    p.add_argument("--threads", type=_nonneg_int, default=4,
-                   help="threads for tensor work (default %(default)s)")
-    p.add_argument("--intra-op-threads", type=_nonneg_int, default=1,
-                   help="torch intra-op threads per optimizer step (0: torch's default)")
+    add_shard_arguments(p)
 
 
 def _import_or_explain(command: str, module: str) -> Any | None:

@@ -45,9 +45,10 @@ import torch
 from stratagem.ps import auth as ps_auth
 from stratagem.ps import optim as ps_optim
 from stratagem.ps import wire
+from stratagem.ps.flags import DEFAULT_MAX_BYTES, add_shard_arguments
 from stratagem.ps.wire import Entry, Message, WireError
 
-__all__ = ["ShardServer", "serve", "start_local_shards", "main", "add_limit_arguments",
+__all__ = ["ShardServer", "serve", "start_local_shards", "main",
            "serve_from_args", "DEFAULT_MAX_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MODES = ("async", "sync", "elastic")
-#: Default per-shard quota on registered tensors plus their optimizer state (``--max-bytes``).
-DEFAULT_MAX_BYTES = 8 << 30
 # Refusals that suggest a misconfigured or hostile peer (logged as warnings, rate-limited).
 _LOUD = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "INTERNAL"})
 
@@ -1122,35 +1121,8 @@ def serve(host: str = "127.0.0.1", port: int = 0, *, port_file: str | os.PathLik
     return bound
 
 
-def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    """The shard's security and limit flags (shared by ``python -m stratagem.ps.server`` and
-    ``stratagem ps``)."""
-    p.add_argument("--token-file", default=None,
-                   help="file holding the shared token (default: env STRATAGEM_PS_TOKEN, then "
-                        "the file in STRATAGEM_PS_TOKEN_FILE); an empty file is an error")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate (with --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
-    p.add_argument("--max-message-bytes", type=int, default=wire.DEFAULT_MAX_MESSAGE_BYTES,
-                   help="largest request or reply (default %(default)s)")
-    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                   help="quota on registered tensors plus optimizer state (default "
-                        "%(default)s = 8 GiB)")
-    p.add_argument("--max-concurrent-streams", type=int, default=32,
-                   help="calls one connection may have in flight (default %(default)s)")
-    p.add_argument("--max-connection-age", type=float, default=3600.0,
-                   help="seconds before a connection is recycled (default %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=120.0,
-                   help="seconds a request body may take to arrive (default %(default)s)")
-    p.add_argument("--threads", type=int, default=4,
-                   help="threads for tensor work (optimizer steps, encoding; default "
-                        "%(default)s)")
-    p.add_argument("--intra-op-threads", type=int, default=1,
-                   help="torch intra-op threads per optimizer step (default 1: the shard "
-                        "parallelises across requests; 0 keeps torch's default)")
-
-
 def serve_from_args(args: argparse.Namespace, prog: str) -> int:
-    """Run :func:`serve` from parsed :func:`add_limit_arguments` flags; start-up errors
+    """Run :func:`serve` from parsed :func:`stratagem.ps.flags.add_shard_arguments` flags; start-up errors
     (empty token, bad TLS material, port in use, bad limits) print one line and return 2."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -1177,15 +1149,10 @@ def serve_from_args(args: argparse.Namespace, prog: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m stratagem.ps.server",
                                 description="Run one stratagem parameter-server shard.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
-    add_limit_arguments(p)
+    add_shard_arguments(p, port_required=False)
     p.add_argument("--parent-pid", type=int, default=None,
                    help="stop when this process (the launcher) is no longer our parent")
     args = p.parse_args(argv)
-    if args.intra_op_threads < 0:
-        p.error(f"--intra-op-threads must be >= 0, got {args.intra_op_threads}")
     return serve_from_args(args, p.prog)
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import StratagemError
+from stratagem.ps import flags
 
 __all__ = [
     "MAGIC",
@@ -60,7 +61,7 @@ FORMAT_VERSION = 1
 METHOD = "/stratagem.ps.v1.Shard/Call"
 TOKEN_METADATA_KEY = "x-stratagem-token"
 #: gRPC caps a message at 2 GiB - 1; 1 GiB leaves room and is far above a typical shard slice.
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+DEFAULT_MAX_MESSAGE_BYTES = flags.DEFAULT_MAX_MESSAGE_BYTES
 
 _PREFIX = struct.Struct("<4sHHI")
 _ALIGN = 8
