@@ -184,6 +184,8 @@ def worker_main(cfg_path: str) -> int:
 
     if sync and rank == 0:
         evaluate(0)
+    elif sync:
+        strategy.eval_model(model)  # a collective for some strategies: join worker 0's
     step, stop = 0, False
     for epoch in range(int(cfg["max_epochs"])):
         loader.set_epoch(epoch)
@@ -201,14 +203,19 @@ def worker_main(cfg_path: str) -> int:
                     stop = evaluate(step)
                     ctrl.set(f"{_TAG}go/{step}", "stop" if stop else "go")
                 else:
+                    # eval_model is a collective for some strategies (LocalSGD averages):
+                    # every worker joins it while worker 0 evaluates.
+                    strategy.eval_model(model)
                     stop = ctrl.get(f"{_TAG}go/{step}") == b"stop"
             if stop:
                 break
         if stop:
             break
     end_wall = time.perf_counter() - start - paused
-    if sync and rank == 0 and curve[-1][1] != step:
-        evaluate(step)
+    if sync and curve and curve[-1][1] != step:
+        evaluate(step)  # worker 0 only (curve is empty elsewhere)
+    elif sync and rank != 0 and step % every != 0:
+        strategy.eval_model(model)  # join worker 0's last evaluation (a collective for some)
     metrics = strategy.metrics()
     steps = max(1, int(metrics["steps"]))
     result: dict[str, Any] = {
