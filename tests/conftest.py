@@ -11,3 +11,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def shards():
+    """Two in-process parameter-server shards; yields their addresses (tests/ps has its own
+    fixture of the same name, yielding the servers too)."""
+    from stratagem.ps.server import start_local_shards
+
+    servers, addrs = start_local_shards(2)
+    yield addrs
+    for s in servers:
+        s.stop(0)

@@ -19,7 +19,6 @@ from torch import nn
 import stratagem as sg
 from stratagem.checkpoint import read_extras
 from stratagem.comm import Comm
-from stratagem.ps.server import start_local_shards
 from stratagem.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -56,14 +55,6 @@ def _tied(module: nn.Module) -> bool:
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-@pytest.fixture
-def shards():
-    servers, addrs = start_local_shards(2)
-    yield addrs
-    for s in servers:
-        s.stop(0)
 
 
 def _run(make: Callable[[Comm], sg.Strategy], path: Path, comm: Comm, seed: int,

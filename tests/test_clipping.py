@@ -23,14 +23,6 @@ MAX_NORM = 0.5
 LR = 0.05
 
 
-@pytest.fixture
-def shards():
-    servers, addrs = start_local_shards(2)
-    yield addrs
-    for s in servers:
-        s.stop(0)
-
-
 def _build(name: str, comm: Comm, shards: list[str] | None, **kwargs):
     if name == "one_device":
         return sg.OneDevice(**kwargs)

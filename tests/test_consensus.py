@@ -15,7 +15,6 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.comm import Comm
-from stratagem.ps.server import start_local_shards
 from stratagem.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,14 +32,6 @@ class Net(nn.Module):
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self(x).argmax(dim=1)
-
-
-@pytest.fixture
-def shards():
-    servers, addrs = start_local_shards(2)
-    yield addrs
-    for s in servers:
-        s.stop(0)
 
 
 def _steps(strategy, model, opt, n: int, rank: int, offset: int = 0) -> None:

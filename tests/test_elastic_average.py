@@ -16,7 +16,6 @@ from torch import nn
 import stratagem as sg
 from stratagem.comm import Comm
 from stratagem.ps.client import PSClient, ShardedParameters
-from stratagem.ps.server import start_local_shards
 from stratagem.strategies.elastic_average import ElasticAveraging
 from stratagem.testing import run_ranks
 
@@ -53,14 +52,6 @@ def _pair_worker(strategy: sg.Strategy, slope: float):
         opt.zero_grad()
 
     return model, step
-
-
-@pytest.fixture
-def shards():
-    servers, addrs = start_local_shards(2)
-    yield addrs
-    for s in servers:
-        s.stop(0)
 
 
 # ---------------------------------------------------------------------- (a) one worker

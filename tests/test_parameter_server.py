@@ -24,14 +24,6 @@ from stratagem.testing import run_ranks
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def shards():
-    servers, addrs = start_local_shards(2)
-    yield addrs
-    for s in servers:
-        s.stop(0)
-
-
 def _ps(addrs, comm=None, **kwargs) -> ParameterServer:
     return ParameterServer(ps_addresses=addrs, comm=comm or Comm.single(), timeout=10, **kwargs)
 
