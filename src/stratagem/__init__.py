@@ -1,6 +1,6 @@
 """stratagem: distribution strategies for PyTorch.
 
-``import stratagem as sg``; pick a strategy (``sg.Mirrored()``, ``sg.ParameterServer()``,
+``import stratagem as sg``; pick a strategy (``sg.Mirrored()``, ``sg.Sharded()``, ``sg.ParameterServer()``,
 ``sg.ElasticAveraging()``, ``sg.LocalSGD()``, ``sg.DiLoCo()``, ``sg.OneDevice()``), then
 ``scope`` / ``prepare`` / ``distribute_dataset`` / ``backward`` / ``optimizer.step()``.
 Importing has no side effects.
@@ -32,6 +32,7 @@ __all__ = [
     "Strategy",
     "OneDevice",
     "Mirrored",
+    "Sharded",
     "ParameterServer",
     "ElasticAveraging",
     "LocalSGD",
@@ -65,6 +66,7 @@ _LAZY = {
     "ElasticAveraging": ("stratagem.strategies.elastic_average", "ElasticAveraging"),
     "LocalSGD": ("stratagem.strategies.local_sgd", "LocalSGD"),
     "DiLoCo": ("stratagem.strategies.local_sgd", "DiLoCo"),
+    "Sharded": ("stratagem.strategies.sharded", "Sharded"),
     "FixedShardsPartitioner": ("stratagem.ps.placement", "FixedShardsPartitioner"),
     "MinSizePartitioner": ("stratagem.ps.placement", "MinSizePartitioner"),
     "MaxSizePartitioner": ("stratagem.ps.placement", "MaxSizePartitioner"),

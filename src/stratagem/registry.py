@@ -17,6 +17,7 @@ __all__ = ["from_name", "from_env", "strategy_names", "canonical_name"]
 _NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "one_device": ("stratagem.strategies.one_device", "OneDevice", {}),
     "mirrored": ("stratagem.strategies.mirrored", "Mirrored", {}),
+    "sharded": ("stratagem.strategies.sharded", "Sharded", {}),
     "ps-async": ("stratagem.strategies.parameter_server", "ParameterServer", {"mode": "async"}),
     "ps-sync": ("stratagem.strategies.parameter_server", "ParameterServer", {"mode": "sync"}),
     "easgd": ("stratagem.strategies.elastic_average", "ElasticAveraging", {"mode": "sync"}),

@@ -1,0 +1,445 @@
+"""``Sharded``: fully sharded data parallelism on PyTorch FSDP2 (``fully_shard``).
+
+ZeRO stage 3 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020) as PyTorch implements it in FSDP (Zhao et al., "PyTorch FSDP:
+Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023) and its DTensor rewrite FSDP2:
+every parameter, its gradient and its optimizer state are split along dim 0 into ``W`` row
+blocks, one per replica. Before a unit's forward (and again before its backward when
+``reshard_after_forward``) its parameters are all-gathered; after the backward its gradients
+are reduce-scattered to their mean, so each replica holds the mean gradient of its own rows
+and the optimizer (element-wise: SGD, Adam, AdamW...) updates its own rows only. The result
+equals data parallelism (``Mirrored``) step for step, with per-replica memory for parameters +
+gradients + optimizer state divided by ``W`` (plus one unit's gathered parameters at a time).
+
+The mechanics live in :class:`FSDPSharding`, which takes a :class:`~stratagem.comm.Comm`
+(the device mesh is built from ``comm.group``), so the same object can be one part of a
+composed strategy (sharding inside a node, something else across nodes: HSDP).
+
+What is CUDA-only: ``cpu_offload=True`` (FSDP2's ``CPUOffloadPolicy``: sharded parameters,
+gradients and optimizer state live in pinned host memory and are copied to the GPU per unit)
+needs a CUDA device; on a CPU job everything already is in host memory and the flag is
+refused. Overlap of communication with compute through separate CUDA streams is a GPU
+property too: on CPU + gloo the all-gathers and reduce-scatters run in line.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from ..comm import Comm
+from ..strategy import Prepared, Strategy
+
+__all__ = ["Sharded", "FSDPSharding", "ShardModules", "row_range"]
+
+#: Which submodules become FSDP units: classes (every instance below the root), or a
+#: predicate ``module -> bool``. ``None``: the default rule of :func:`default_units`.
+ShardModules = Sequence[type] | Callable[[nn.Module], bool] | None
+
+#: A module holding at least this share of the parameters becomes a unit of its own under
+#: the default rule (a container holding more than ``_DESCEND_SHARE`` is split further).
+_UNIT_SHARE = 0.02
+_DESCEND_SHARE = 0.5
+
+
+def row_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a dim-0 sharded tensor held by ``rank``: ``torch.chunk``
+    blocks of ``ceil(rows / world_size)``, the last ranks possibly short or empty (DTensor's
+    ``Shard(0)`` and FSDP2 split this way)."""
+    block = -(-rows // world_size) if rows else 0
+    start = min(rank * block, rows)
+    return start, min(start + block, rows)
+
+
+def _numel(params: Iterable[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def default_units(root: nn.Module) -> list[nn.Module]:
+    """The submodules the default rule makes FSDP units, outermost first.
+
+    A module becomes a unit when it holds at least 2 % of the model's parameters; a module
+    holding more than half of them that has children (a container: the ``ModuleList`` of
+    transformer blocks, a ``transformer`` trunk) is split into its children instead. A module
+    sharing a parameter with the rest of the model (tied weights: GPT's embedding and output
+    head) is never a unit of its own: FSDP2 manages each parameter in exactly one unit, so a
+    tied parameter stays with the root, which holds both users."""
+    params = {id(p): p for p in root.parameters()}
+    total = _numel(params.values())
+    if total == 0:
+        return []
+    owners: dict[int, int] = {}
+    for module in root.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+
+    def shares_outside(module: nn.Module) -> bool:
+        inside: dict[int, int] = {}
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                inside[id(p)] = inside.get(id(p), 0) + 1
+        return any(owners[i] != n for i, n in inside.items())
+
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            held = _numel({id(p): p for p in child.parameters()}.values())
+            if held == 0:
+                continue
+            has_children = any(True for _ in child.children())
+            if held > _DESCEND_SHARE * total and has_children:
+                visit(child)
+            elif held >= _UNIT_SHARE * total and not shares_outside(child):
+                units.append(child)
+            elif has_children:
+                visit(child)
+
+    visit(root)
+    return units
+
+
+def _chosen_units(root: nn.Module, shard_modules: ShardModules) -> list[nn.Module]:
+    if shard_modules is None:
+        return default_units(root)
+    if callable(shard_modules) and not isinstance(shard_modules, (list, tuple)):
+        predicate = shard_modules
+    else:
+        classes = tuple(shard_modules)
+        def predicate(m: nn.Module) -> bool:
+            return isinstance(m, classes)
+    return [m for m in root.modules() if m is not root and predicate(m)]
+
+
+class FSDPSharding:
+    """FSDP2 over one :class:`Comm`: which modules become units, the mixed-precision and
+    offload policies, gradient-sync control, the global gradient norm, and conversions
+    between the sharded parameters (DTensors) and full tensors.
+
+    A part: it knows nothing of the strategy around it, so a composed strategy can shard
+    within a node (its ``Comm`` over the node's processes) and synchronise otherwise across
+    nodes."""
+
+    def __init__(self, comm: Comm, *, device: torch.device, reshard_after_forward: bool = True,
+                 shard_modules: ShardModules = None, cpu_offload: bool = False,
+                 param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        self.comm = comm
+        self.device = device
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_modules = shard_modules
+        self.cpu_offload = cpu_offload
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self._mesh: DeviceMesh | None = None
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The 1-D device mesh over ``comm.group`` (built on first use: it needs the group to
+        be one torch.distributed knows, i.e. not a bare thread-test group)."""
+        if self._mesh is None:
+            if self.comm.group is None:
+                raise ValueError("FSDP2 needs a process group; this Comm has none (a single "
+                                 "process). Fix: launch several workers, or use OneDevice")
+            self._mesh = DeviceMesh.from_group(self.comm.group, self.device.type)
+        return self._mesh
+
+    def shard(self, module: nn.Module) -> list[nn.Module]:
+        """Apply ``fully_shard`` to the chosen units (innermost first), then to ``module``
+        itself; the module is modified in place. Returns the units (root last). A single
+        process shards nothing (there is nobody to share the state with)."""
+        if self.comm.world_size == 1:
+            return []
+        offload: OffloadPolicy = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+        units = _chosen_units(module, self.shard_modules)
+        depth = {id(m): 0 for m in units}
+        for name, m in module.named_modules():
+            if id(m) in depth:
+                depth[id(m)] = name.count(".") + 1
+        units.sort(key=lambda m: -depth[id(m)])  # nested units before the units holding them
+        for unit in [*units, module]:
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward,
+                        mp_policy=policy, offload_policy=offload)
+        return [*units, module]
+
+    @staticmethod
+    def set_grad_sync(module: nn.Module, enabled: bool) -> None:
+        """Whether the next backward reduce-scatters (accumulation: not before the last
+        micro-batch; the unsharded gradients accumulate locally meanwhile)."""
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled)
+
+    def grad_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """The total ``norm_type``-norm of gradients sharded across the comm's replicas: the
+        norm of each replica's rows, combined with one all-reduce (sum of ``|g|^p``, or max
+        for the inf-norm). Replicated (non-DTensor) gradients count once (rank 0's)."""
+        local: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
+        for g in grads:
+            if isinstance(g, DTensor):
+                local.append(g.to_local())
+            else:
+                replicated.append(g)
+        if self.comm.rank == 0:
+            local.extend(replicated)
+        local = [t for t in local if t.numel()]
+        if math.isinf(norm_type):
+            part = (torch.stack([t.detach().abs().max().float() for t in local]).max()
+                    if local else torch.zeros(()))
+            total = self.comm.all_reduce(part.reshape(1).cpu(), "max")
+            return total.reshape(()).to(self.device)
+        if local:
+            norm = torch.nn.utils.get_total_norm([t.detach() for t in local], norm_type=norm_type)
+            part = norm.float().pow(norm_type)
+        else:
+            part = torch.zeros(())
+        total = self.comm.all_reduce(part.reshape(1).cpu().double(), "sum")
+        return total.pow(1.0 / norm_type).float().reshape(()).to(self.device)
+
+    def full(self, value: torch.Tensor) -> torch.Tensor:
+        """The full tensor behind a shard (an all-gather: a collective), else ``value``."""
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    def load_full(self, target: torch.Tensor, full: torch.Tensor) -> None:
+        """Copy this replica's rows of ``full`` into ``target`` (a shard or a plain tensor)."""
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                local = target.to_local()
+                start, stop = row_range(full.shape[0], self.comm.world_size, self.comm.rank)
+                assert local.shape[0] == stop - start, (local.shape, start, stop)
+                local.copy_(full[start:stop])
+            else:
+                target.copy_(full)
+
+    def like(self, reference: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """``full`` sharded like ``reference`` (a DTensor): this replica's rows as a DTensor
+        on the same mesh; ``full`` itself when ``reference`` is not sharded."""
+        if not isinstance(reference, DTensor) or tuple(full.shape) != tuple(reference.shape):
+            return full
+        start, stop = row_range(full.shape[0], self.comm.world_size, self.comm.rank)
+        rows = full[start:stop].to(reference.to_local().device).clone()
+        return DTensor.from_local(rows, reference.device_mesh, [Shard(0)], run_check=False,
+                                  shape=reference.shape, stride=reference.stride())
+
+
+class Sharded(Strategy):
+    """Fully sharded data parallelism (ZeRO-3) on FSDP2: same steps as :class:`Mirrored`,
+    per-replica parameter + gradient + optimizer memory divided by the number of replicas.
+
+    Arguments: ``reshard_after_forward`` (free a unit's gathered parameters after its
+    forward and gather them again for the backward: less memory, one more all-gather per
+    step), ``shard_modules`` (which submodules become FSDP units: classes such as your
+    transformer block, or a predicate ``module -> bool``; default: each child holding a
+    sizeable share of the parameters, see :func:`default_units`, then the root),
+    ``cpu_offload`` (CUDA only: keep shards in pinned host memory), ``reduce_precision``
+    (the dtype of the gradient reduce-scatter under bf16/fp16: by default the same 16-bit
+    type; ``"fp32"`` reduces in float32), plus the common strategy arguments.
+    ``precision="bf16"``/``"fp16"`` becomes FSDP2's ``MixedPrecisionPolicy``: units compute
+    with 16-bit copies of the parameters, the sharded master parameters, gradients and
+    optimizer state stay float32.
+
+    On failure: a dead or stalled peer makes an all-gather or reduce-scatter fail within
+    ``timeout`` (the process group's own timeout) and ``strategy.backward`` raises
+    ``PeerTimeoutError`` naming it. A non-finite gradient in any replica's rows is agreed on
+    by all (one all-reduce of a flag): all skip the step (fp16 loss scaling,
+    ``on_nonfinite="skip"``) or all raise ``FloatingPointError``.
+
+    Memory per replica: ``1/W`` of the parameters, gradients and optimizer state, plus the
+    gathered parameters of the unit(s) in flight. ``eval_model`` gathers a full copy (one
+    all-gather per parameter, the whole model held by every replica while it is kept).
+    """
+
+    name = "sharded"
+    _synchronous_step = True
+
+    def __init__(self, *, reshard_after_forward: bool = True, shard_modules: ShardModules = None,
+                 cpu_offload: bool = False, reduce_precision: str | None = None,
+                 **kwargs: Any) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be True or False, got "
+                            f"{reshard_after_forward!r}")
+        if shard_modules is not None and not callable(shard_modules) and not (
+                isinstance(shard_modules, (list, tuple))
+                and all(isinstance(c, type) and issubclass(c, nn.Module) for c in shard_modules)):
+            raise TypeError(f"shard_modules must be None, a list of nn.Module classes or a "
+                            f"predicate module -> bool, got {shard_modules!r}. Fix: pass e.g. "
+                            "shard_modules=[Block]")
+        if reduce_precision not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"reduce_precision must be None, 'fp32', 'bf16' or 'fp16', got "
+                             f"{reduce_precision!r}")
+        super().__init__(**kwargs)
+        if cpu_offload and self.device.type != "cuda":
+            raise ValueError(
+                f"cpu_offload=True keeps the shards in pinned host memory and copies them to "
+                f"the GPU unit by unit; it needs a CUDA device, got device={self.device}. Fix: "
+                "drop cpu_offload on a CPU job (its tensors already live in host memory)")
+        param_dtype = self.precision.dtype
+        reduce_dtype = ({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+                        [reduce_precision] if reduce_precision is not None else param_dtype)
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_modules = shard_modules
+        self.cpu_offload = cpu_offload
+        self.sharding = FSDPSharding(self.comm, device=self.device,
+                                     reshard_after_forward=reshard_after_forward,
+                                     shard_modules=shard_modules, cpu_offload=cpu_offload,
+                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    # ------------------------------------------------------------------ prepare
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        module = model  # the module behind torch.compile wrappers, sharded in place
+        while type(module).__name__ == "OptimizedModule" and isinstance(
+                getattr(module, "_orig_mod", None), nn.Module):
+            module = cast(nn.Module, module._orig_mod)
+        if isinstance(module, FSDPModule):
+            raise ValueError(f"the {type(module).__name__} given to prepare is already sharded "
+                             "by fully_shard. Fix: pass the plain module; Sharded applies "
+                             "fully_shard itself")
+        template = _meta_template(module)
+        before = dict(module.named_parameters(remove_duplicate=False))
+        self.sharding.shard(module)
+        after = dict(module.named_parameters(remove_duplicate=False))
+        # fully_shard replaces every parameter by a new DTensor parameter; the optimizers
+        # the user built before prepare are re-pointed at them in _setup.
+        self._pending = (template, {id(p): after[n] for n, p in before.items()})
+        self._count_bytes(module)
+        return model
+
+    def _setup(self, prepared: Prepared) -> None:
+        template, replaced = self._pending
+        del self._pending
+        prepared.state["eval_template"] = template
+        for opt in prepared.optimizers:
+            inner = opt.optimizer
+            if inner.state:
+                raise ValueError(
+                    f"the {type(inner).__name__} given to prepare already holds state for "
+                    f"{len(inner.state)} parameter(s); Sharded replaces the parameters by their "
+                    "shards, so that state cannot follow. Fix: prepare before the first step, "
+                    "then strategy.restore(...) the optimizer state")
+            for group in inner.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+
+    def _count_bytes(self, module: nn.Module) -> None:
+        """Count FSDP2's traffic analytically at the root's forward (it bypasses ``Comm``):
+        per replica a ring all-gather of the parameters in the compute dtype for the forward,
+        another for the backward when ``reshard_after_forward``, and a reduce-scatter of the
+        gradients in the reduction dtype when this backward synchronises (each moves
+        ``(W-1)/W`` of the full size)."""
+        world = self.comm.world_size
+        if world == 1:
+            return
+        numel = sum(p.numel() for p in module.parameters())
+        gather = numel * (self.sharding.param_dtype or torch.float32).itemsize * (world - 1) / world
+        scatter = numel * (self.sharding.reduce_dtype or torch.float32).itemsize * (world - 1) / world
+        comm, state = self.comm, {"sync": True}
+        self._sync_state = state
+
+        def count(_module: nn.Module, _args: Any) -> None:
+            nbytes = gather
+            if torch.is_grad_enabled():
+                if self.reshard_after_forward:
+                    nbytes += gather
+                if state["sync"]:
+                    nbytes += scatter
+            comm.account(nbytes, nbytes)
+            comm.num_collectives += 1
+
+        module.register_forward_pre_hook(count)
+
+    def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
+        self.sharding.set_grad_sync(prepared.module, enabled)
+        state = getattr(self, "_sync_state", None)
+        if state is not None:
+            state["sync"] = enabled
+
+    def _grad_norm(self, prepared: Prepared, grads: list[torch.Tensor],
+                   norm_type: float) -> torch.Tensor:
+        return self.sharding.grad_norm(grads, norm_type)
+
+    # ------------------------------------------------------------------ state
+    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        """The module's state dict as FSDP2 holds it: DTensor shards (a sharded checkpoint
+        writes each replica's rows; ``save(..., consolidate=True)`` gathers them)."""
+        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+
+    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        """Full tensors (any checkpoint, any writer's world size): each replica keeps its
+        rows."""
+        own = prepared.module.state_dict()
+        for name, target in own.items():
+            self.sharding.load_full(target, state[name])
+
+    def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        return opt.state_dict()
+
+    def _load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A full (gathered / Mirrored) optimizer state: tensors shaped like their parameter
+        are sharded like it; the rest (step counters) load as they are."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        sharded: dict[Any, Any] = {}
+        for key, entry in state.get("state", {}).items():
+            param = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
+            if param is None or not isinstance(entry, dict):
+                sharded[key] = entry
+                continue
+            sharded[key] = {k: (self.sharding.like(param, v) if isinstance(v, torch.Tensor)
+                                and not isinstance(v, DTensor) and v.dim() > 0 else v)
+                            for k, v in entry.items()}
+        opt.load_state_dict({**state, "state": sharded})
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """A plain module of the user's class holding the full parameters, gathered from the
+        shards (a collective: call it on every replica). The copy is made once and refreshed
+        on every call; it costs one full copy of the parameters on every replica."""
+        prepared = self._find_prepared(model)
+        if prepared is None:
+            return model
+        clone: nn.Module | None = prepared.state.get("eval_copy")
+        if clone is None:
+            clone = prepared.state["eval_template"].to_empty(device=self.device)
+            clone.requires_grad_(False)
+            if self.precision.dtype is not None:
+                clone.forward = self._autocast_forward(clone)  # type: ignore[method-assign]
+            prepared.state["eval_copy"] = clone
+        targets = clone.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in prepared.module.state_dict().items():
+                targets[name].copy_(self.sharding.full(value.detach()))
+        return clone
+
+    def _extra_metrics(self) -> dict[str, Any]:
+        return {}
+
+
+def _meta_template(module: nn.Module) -> nn.Module:
+    """A structural copy of ``module`` on the meta device (no memory): parameters and buffers
+    replaced by meta tensors of the same shapes, ties kept (one meta tensor per original)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+    for b in module.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = torch.empty_like(b, device="meta")
+    forward = module.__dict__.pop("forward", None)
+    try:
+        template = copy.deepcopy(module, memo)
+    finally:
+        if forward is not None:
+            module.forward = forward  # type: ignore[method-assign]
+    return template
