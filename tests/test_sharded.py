@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import stratagem as sg
+from stratagem import checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -97,19 +98,125 @@ def _pair(precision: str = "fp32", accumulation: int = 1,
     return out[0], out[1]
 
 
-def _equivalence_job(scenarios: list[tuple[str, int, float | None]]) -> list[Any]:
-    return [_pair(*s) for s in scenarios]
-
-
 def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> None:
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
 
-def test_sharded_equals_mirrored_on_2_ranks_fp32_accumulation_bf16_and_clip():
+def test_row_ranges_default_units_and_argument_errors():
+    # Pure functions and constructor checks: no process group needed.
+    from stratagem.strategies.sharded import default_units, row_range
+
+    assert [row_range(7, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert [row_range(2, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    model = TiedLM()
+    units = default_units(model)
+    assert model.blocks[0] in units and model.blocks[1] in units
+    # The tied embedding and head stay with the root: FSDP2 gives a parameter one unit.
+    assert model.embed not in units and model.head not in units
+    with pytest.raises(ValueError, match="cpu_offload=True .* needs a CUDA device"):
+        sg.Sharded(cpu_offload=True, comm=sg.Comm.single(), device="cpu")
+    with pytest.raises(TypeError, match="shard_modules must be"):
+        sg.Sharded(shard_modules=["Block"], comm=sg.Comm.single())
+
+
+# ---------------------------------------------------------------------- checkpoints
+GLOBAL_BATCH = 24  # divisible by 2, 3 and 4 replicas
+MORE = 3  # steps taken after a save, and again after each restore: they must agree
+
+
+def _lm_batches(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 32, (n, GLOBAL_BATCH, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _lm(strategy: sg.Strategy) -> tuple[nn.Module, torch.optim.Optimizer]:
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = TiedLM()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+        return strategy.prepare(model, opt)  # type: ignore[no-any-return]
+
+
+def _lm_steps(strategy: sg.Strategy, model: nn.Module, opt: torch.optim.Optimizer,
+              batches: torch.Tensor) -> None:
+    """Plain steps on fixed global batches; each replica takes its contiguous share, so the
+    mean gradient (and the trajectory) does not depend on the number of replicas."""
+    share = GLOBAL_BATCH // strategy.num_replicas_in_sync
+    for batch in batches:
+        rows = batch[strategy.replica_id * share:(strategy.replica_id + 1) * share]
+        logits = model(rows[:, :-1])
+        strategy.backward(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()))
+        strategy.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _consensus(strategy: sg.Strategy, model: nn.Module) -> dict[str, torch.Tensor]:
+    ev = strategy.eval_model(model)
+    assert type(ev) is TiedLM and ev.head.weight is ev.embed.weight  # plain, tie kept
+    return {k: v.detach().clone() for k, v in ev.state_dict().items()}
+
+
+def _save_job(root: str) -> dict[str, Any]:
+    """On 4 ranks: equivalence with Mirrored, then a sharded and a consolidated save of the
+    tied LM, and the model after MORE further steps."""
+    mlp_s, mlp_m = _pair("fp32", 1, 0.5)
+    strategy = sg.Sharded(timeout=30)
+    model, opt = _lm(strategy)
+    _lm_steps(strategy, model, opt, _lm_batches(5, seed=1))
+    saved = _consensus(strategy, model)
+    # The per-rank bytes of parameters are a quarter of the model's (uneven rows aside).
+    local = sum(p.to_local().numel() for p in strategy.unwrap(model).parameters())
+    strategy.save(f"{root}/sharded", model=model, optimizer=opt, step=5, config={"vocab": 32})
+    strategy.save(f"{root}/consolidated", model=model, optimizer=opt, step=5, consolidate=True)
+    probe = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out = strategy.eval_model(model)(probe)
+    _lm_steps(strategy, model, opt, _lm_batches(MORE, seed=2))
+    result = {"mlp": (mlp_s, mlp_m), "saved": saved, "continued": _consensus(strategy, model),
+              "local": local, "probe": probe, "out": out}
+    strategy.close()
+    return result
+
+
+def _restore_job(root: str, sources: list[str], save_mirrored: bool,
+                 scenarios: list[tuple[str, int, float | None]]) -> tuple[list[Any], list[Any]]:
+    """Restore each source into Sharded (and, with save_mirrored, into Mirrored, saving it
+    again for the next job); return the restored and continued consensus models, and the
+    (Sharded, Mirrored) results of the equivalence ``scenarios`` (one launch, fewer seconds)."""
+    pairs = [_pair(*s) for s in scenarios]
+    out = []
+    kinds = [("sharded", s) for s in sources] + ([("mirrored", sources[0])] if save_mirrored else [])
+    for kind, source in kinds:
+        strategy = sg.Sharded(timeout=30) if kind == "sharded" else sg.Mirrored(timeout=30)
+        model, opt = _lm(strategy)
+        extras = strategy.restore(f"{root}/{source}", model=model, optimizer=opt)
+        restored = _consensus(strategy, model)
+        if kind == "mirrored":
+            strategy.save(f"{root}/mirrored", model=model, optimizer=opt, step=extras["step"])
+        _lm_steps(strategy, model, opt, _lm_batches(MORE, seed=2))
+        out.append({"kind": kind, "source": source, "step": extras["step"],
+                    "restored": restored, "continued": _consensus(strategy, model)})
+        strategy.close()
+    return out, pairs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The three launches (4, 2, 3 ranks) every test below reads."""
+    root = tmp_path_factory.mktemp("sharded")
+    first = sg.launch(_save_job, nprocs=4, args=(str(root),), timeout=200)
     scenarios = [("fp32", 1, 0.5), ("fp32", 4, None), ("bf16", 1, None)]
-    results = sg.launch(_equivalence_job, nprocs=2, args=(scenarios,), timeout=200)
+    second = sg.launch(_restore_job, nprocs=2, args=(str(root), ["sharded"], True, scenarios),
+                       timeout=200)
+    third = sg.launch(_restore_job, nprocs=3, args=(str(root), ["sharded", "mirrored"], False, []),
+                      timeout=200)
+    return {"root": root, "first": first, "second": second, "third": third}
+
+
+def test_sharded_equals_mirrored_on_2_ranks_fp32_accumulation_bf16_and_clip(runs):
+    results = [r[1] for r in runs["second"]]
     (s32, m32), (sacc, macc), (sbf, mbf) = results[0]
     assert s32["class"] is nn.Sequential  # eval_model: a plain module of the user's class
     _assert_close(s32["state"], m32["state"], atol=1e-5, rtol=1e-5)
@@ -130,18 +237,49 @@ def test_sharded_equals_mirrored_on_2_ranks_fp32_accumulation_bf16_and_clip():
         _assert_close(s["state"], s0["state"], atol=0, rtol=0)
 
 
-def test_row_ranges_default_units_and_argument_errors():
-    # Pure functions and constructor checks: no process group needed.
-    from stratagem.strategies.sharded import default_units, row_range
+def test_sharded_equals_mirrored_on_4_ranks_and_holds_a_quarter(runs):
+    first = runs["first"]
+    mlp_s, mlp_m = first[0]["mlp"]
+    _assert_close(mlp_s["state"], mlp_m["state"], atol=1e-5, rtol=1e-5)  # 4 ranks == Mirrored
+    torch.testing.assert_close(torch.tensor(mlp_s["norms"]), torch.tensor(mlp_m["norms"]),
+                               atol=1e-5, rtol=1e-5)
+    total = sum(p.numel() for p in TiedLM().parameters())
+    assert sum(r["local"] for r in first) == total and max(r["local"] for r in first) <= total // 3
 
-    assert [row_range(7, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
-    assert [row_range(2, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
-    model = TiedLM()
-    units = default_units(model)
-    assert model.blocks[0] in units and model.blocks[1] in units
-    # The tied embedding and head stay with the root: FSDP2 gives a parameter one unit.
-    assert model.embed not in units and model.head not in units
-    with pytest.raises(ValueError, match="cpu_offload=True .* needs a CUDA device"):
-        sg.Sharded(cpu_offload=True, comm=sg.Comm.single(), device="cpu")
-    with pytest.raises(TypeError, match="shard_modules must be"):
-        sg.Sharded(shard_modules=["Block"], comm=sg.Comm.single())
+
+def test_sharded_save_writes_per_rank_files_and_consolidates(runs):
+    from safetensors.torch import load_model
+
+    tmp_path, first = runs["root"], runs["first"]
+    saved = first[0]["saved"]
+
+    # Each replica wrote its own file; no single model.safetensors in the sharded save.
+    files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    assert [f for f in files if f.startswith("model.")] == [
+        f"model.rank{r}.safetensors" for r in range(4)]
+    assert "optimizer.rank3.safetensors" in files
+    assert checkpoint.read_extras(tmp_path / "sharded")["config"] == {"vocab": 32}
+    _assert_close(checkpoint.load_model_state(tmp_path / "sharded"), saved, atol=0, rtol=0)
+
+    # consolidate=True: one model.safetensors under the model's own names, the tie stored
+    # once, loadable by safetensors into a plain module with identical outputs.
+    plain = TiedLM()
+    load_model(plain, str(tmp_path / "consolidated" / "model.safetensors"))
+    assert plain.head.weight is plain.embed.weight
+    with torch.no_grad():
+        torch.testing.assert_close(plain(first[0]["probe"]), first[0]["out"], atol=0, rtol=0)
+
+
+
+def test_sharded_checkpoint_restores_on_2_and_3_ranks_and_through_mirrored(runs):
+    # 4 -> 2 (Sharded), 4 -> Mirrored(2) which saves again; then 4 -> 3 and Mirrored(2) -> 3.
+    saved, continued = runs["first"][0]["saved"], runs["first"][0]["continued"]
+    restores = runs["second"][0][0] + runs["third"][0][0]
+    assert [(r["kind"], r["source"]) for r in restores] == [
+        ("sharded", "sharded"), ("mirrored", "sharded"), ("sharded", "sharded"),
+        ("sharded", "mirrored")]
+    for r in restores:
+        assert r["step"] == 5
+        _assert_close(r["restored"], saved, atol=0, rtol=0)
+        # Same steps after the restore as after the save: the optimizer state came back too.
+        _assert_close(r["continued"], continued, atol=1e-5, rtol=1e-5)

@@ -58,6 +58,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from . import sharded_checkpoint as sharded
 from .data import DistributedLoader
 from .errors import CheckpointError
 
@@ -799,11 +800,15 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The verified ``model.safetensors`` of a checkpoint, as a state dict (shared parameters
     under every one of their names)."""
     def wanted(m: dict[str, Any]) -> set[str]:
+        entry = m.get("objects", {}).get("model")
+        if isinstance(entry, dict) and isinstance(entry.get("sharded"), dict):
+            return set(sharded.shard_files(entry, str(path)))
         return {"model.safetensors"}
 
     directory, manifest, blobs = _resolve(_clean_path(path), wanted)
-    tensors = _tensors(directory, blobs, "model.safetensors")
     entry = manifest.get("objects", {}).get("model", {})
+    tensors = (_merge_shards(directory, blobs, entry) if "sharded" in entry
+               else _tensors(directory, blobs, "model.safetensors"))
     for alias, canonical in entry.get("aliases", {}).items():
         if canonical in tensors:
             tensors.setdefault(alias, tensors[canonical])
@@ -931,8 +936,11 @@ def _load_into(strategy: Strategy, module: nn.Module, tensors: dict[str, torch.T
 
 
 # ---------------------------------------------------------------------- save
-def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2, **state: Any) -> Path:
-    """Collective save; see the module docstring. Returns the version directory written."""
+def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2,
+         consolidate: bool = False, **state: Any) -> Path:
+    """Collective save; see the module docstring. Returns the version directory written.
+    State held in shards (``sg.Sharded``) is written by each replica, see
+    :mod:`stratagem.sharded_checkpoint`; ``consolidate=True`` gathers it into the usual files."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     path = _clean_path(path)
@@ -944,6 +952,7 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
     }
     extra_tensors: dict[str, Any] = {}
     strategy_state: dict[str, torch.Tensor] = {}
+    own: dict[str, bytes] = {}  # files this replica writes itself (sharded state)
     for key, obj in state.items():
         if isinstance(obj, (nn.Module, torch.optim.Optimizer)) and _KEY_RE.fullmatch(key) is None:
             raise CheckpointError(f"cannot checkpoint {key!r}: modules and optimizers are stored "
@@ -953,6 +962,14 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
             prepared = _prepared_of(strategy, obj)
             raw = strategy._checkpoint_model(prepared) if prepared is not None else \
                 {k: v.detach() for k, v in obj.state_dict().items()}
+            if sharded.is_sharded(raw) and consolidate:
+                raw = sharded.gather_full(raw)
+            elif sharded.is_sharded(raw):
+                entry = _save_shards(comm, key, {_clean_name(k): v for k, v in raw.items()},
+                                     own, "module")
+                entry["local_steps"] = prepared.local_steps if prepared is not None else 0
+                manifest["objects"][key] = entry
+                continue
             tensors: dict[str, torch.Tensor] = {}
             for k, v in raw.items():
                 name = _clean_name(k)
@@ -975,6 +992,10 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
                     strategy_state[f"{key}/{k}"] = v.detach()
         elif isinstance(obj, torch.optim.Optimizer):
             sd = strategy._optimizer_state(obj)
+            if sharded.is_sharded(sd) and not consolidate:
+                manifest["objects"][key] = _save_shards(comm, key, sd, own, "optimizer")
+                continue
+            sd = sharded.gather_full(sd) if sharded.is_sharded(sd) else sd
             blob = _pack(sd, f"{key} (optimizer state)")
             if strategy._local_optimizer_state and comm.world_size > 1:
                 for r, b in enumerate(comm.all_gather_bytes(blob)):
@@ -1011,7 +1032,12 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
     written: Path | None = None
     failed = torch.zeros(1)
     error: BaseException | None = None
-    if comm.rank == 0:
+    if own:
+        written, error = sharded.commit_with_shards(
+            comm, own, stage=lambda: _stage(path), write=_fsync_write, abort=_remove_ours,
+            commit=lambda tmp, digests: _commit(path, files, manifest, keep_last, (tmp, digests)))
+        failed.fill_(1.0 if error is not None else 0.0)
+    elif comm.rank == 0:
         try:
             written = _commit(path, files, manifest, keep_last)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
@@ -1025,6 +1051,20 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
     if failed.item() > 0:
         raise CheckpointError(f"the chief (rank 0) failed to write checkpoint {path}; see its log")
     return written if written is not None else path
+
+
+def _save_shards(comm: Any, key: str, state: Any, own: dict[str, bytes], kind: str) -> dict[str, Any]:
+    """This replica's rows of ``state`` packed into ``own`` (written by this replica); the
+    manifest entry with every replica's index (one small all-gather of JSON)."""
+    local, index, aliases = sharded.localize(state, comm.rank)
+    own[f"{key}.rank{comm.rank}.safetensors"] = _pack(local, f"{key} (rank {comm.rank}'s shards)")
+    per_rank = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(index).encode())]
+    entry: dict[str, Any] = {"kind": kind, "sharded": sharded.shard_index(key, per_rank)}
+    if kind == "module":
+        entry["file"] = f"{key}.rank0.safetensors"
+        if aliases:
+            entry["aliases"] = aliases
+    return entry
 
 
 def _has_tensor(obj: Any) -> bool:
@@ -1060,18 +1100,31 @@ def _prepare_path(path: Path) -> Path:
     return versions
 
 
-def _commit(path: Path, files: dict[str, bytes], manifest: dict[str, Any], keep_last: int) -> Path:
+def _stage(path: Path) -> Path:
+    """A fresh staging directory in ``path``'s versions directory, for replicas that write
+    files of their own (sharded checkpoints) before :func:`_commit`."""
+    tmp = _prepare_path(path) / f"tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(path: Path, files: dict[str, bytes], manifest: dict[str, Any], keep_last: int,
+            staged: tuple[Path, dict[str, str]] | None = None) -> Path:
+    """Write ``files`` and the manifest, then swap the link. ``staged``: a directory from
+    :func:`_stage` already holding files (name -> sha256) other replicas wrote."""
     versions = _prepare_path(path)
     name = f"{manifest['step'] % 10**12:012d}-{time.time_ns():020d}"
     manifest["version"] = name
     manifest["files"] = {fname: hashlib.sha256(data).hexdigest() for fname, data in files.items()}
+    manifest["files"].update(staged[1] if staged is not None else {})
     text = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if len(text) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"the manifest would take {len(text)} bytes, over the limit of "
                               f"{MAX_MANIFEST_BYTES} that restore reads. Fix: store large "
                               "extras as tensors (they go to extra.safetensors)")
-    tmp = versions / f"tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
+    tmp = staged[0] if staged is not None else versions / f"tmp-{uuid.uuid4().hex}"
+    if staged is None:
+        tmp.mkdir()
     for fname, data in files.items():
         _fsync_write(tmp / fname, data)
     _fsync_write(tmp / _MANIFEST, text)
@@ -1139,7 +1192,9 @@ def _wanted_by(rank: int, world_size: int, state: dict[str, Any]) -> _Wanted:
             entry = objects.get(key)
             if not isinstance(entry, dict):
                 continue
-            if entry.get("kind") == "module":
+            if isinstance(entry.get("sharded"), dict):
+                names.update(sharded.shard_files(entry, str(key)))
+            elif entry.get("kind") == "module":
                 names.add(entry["file"])
             elif entry.get("kind") == "optimizer":
                 per_rank = entry.get("per_rank", 0)
@@ -1178,7 +1233,8 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
                 raise CheckpointError(f"checkpoint {directory}: {key!r} is a saved "
                                       f"{entry['kind']}, not a module. Fix: pass {key}= the "
                                       "kind of object that was saved under that name")
-            tensors = _tensors(directory, blobs, entry["file"])
+            tensors = (_merge_shards(directory, blobs, entry) if "sharded" in entry
+                       else _tensors(directory, blobs, entry["file"]))
             prepared = _prepared_of(strategy, obj)
             if prepared is not None:
                 prepared.local_steps = int(entry.get("local_steps", prepared.local_steps))
@@ -1196,7 +1252,8 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
             # Local optimizer state saved by N workers, restored by M: rank r takes worker
             # r mod N's (the state of an identical model; exact when M == N).
             name = f"{key}.rank{comm.rank % per_rank}.safetensors" if per_rank else f"{key}.safetensors"
-            opt_state = _unpack(_member(directory, blobs, name), str(directory / name))
+            opt_state = (_merge_shards(directory, blobs, entry) if "sharded" in entry else
+                         _unpack(_member(directory, blobs, name), str(directory / name)))
             if not isinstance(opt_state, dict):
                 raise CheckpointError(f"{directory / name} holds a {type(opt_state).__name__}, "
                                       f"not an optimizer state dict. {_CORRUPT}")
@@ -1223,6 +1280,16 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
                  str(directory / rng_name))
     strategy._steps = int(manifest.get("steps", strategy._steps))
     return result
+
+
+def _merge_shards(directory: Path, blobs: dict[str, bytes], entry: dict[str, Any]) -> Any:
+    """The full state of a sharded entry: every replica's file, rows concatenated."""
+    parts = [_unpack(_member(directory, blobs, f), str(directory / f))
+             for f in sharded.shard_files(entry, str(directory))]
+    merged = sharded.merge(parts, entry["sharded"], str(directory))
+    if entry.get("kind") == "module":  # tied names are None in the files: aliases refill them
+        merged = {k: v for k, v in merged.items() if v is not None}
+    return merged
 
 
 def _restore_model_file(strategy: Strategy, file: Path, state: dict[str, Any]) -> dict[str, Any]:

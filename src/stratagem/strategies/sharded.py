@@ -411,8 +411,7 @@ class Sharded(Strategy):
             return model
         clone: nn.Module | None = prepared.state.get("eval_copy")
         if clone is None:
-            clone = prepared.state["eval_template"].to_empty(device=self.device)
-            clone.requires_grad_(False)
+            clone = _materialize(prepared.state["eval_template"], self.device)
             if self.precision.dtype is not None:
                 clone.forward = self._autocast_forward(clone)  # type: ignore[method-assign]
             prepared.state["eval_copy"] = clone
@@ -424,6 +423,23 @@ class Sharded(Strategy):
 
     def _extra_metrics(self) -> dict[str, Any]:
         return {}
+
+
+def _materialize(template: nn.Module, device: torch.device) -> nn.Module:
+    """``template`` with uninitialised tensors on ``device`` in place of its meta tensors, one
+    per original tensor (``Module.to_empty`` would give each user of a tied parameter a
+    tensor of its own)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in template.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+            setattr(module, name, made[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            if id(b) not in made:
+                made[id(b)] = torch.empty_like(b, device=device)
+            setattr(module, name, made[id(b)])
+    return template
 
 
 def _meta_template(module: nn.Module) -> nn.Module:
