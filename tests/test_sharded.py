@@ -20,7 +20,7 @@ from torch import nn
 import stratagem as sg
 from stratagem import checkpoint
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)  # the launches share 2 cores; ~80 s on a quiet machine
 
 STEPS = 20
 
@@ -83,7 +83,8 @@ def _train(strategy: sg.Strategy, *, clip: float | None = None,
         epoch += 1
     ev = strategy.eval_model(model)
     state = {k: v.detach().clone() for k, v in ev.state_dict().items()}
-    return {"state": state, "norms": norms, "class": type(ev), "model": model, "opt": opt}
+    return {"state": state, "norms": norms, "class": type(ev), "model": model, "opt": opt,
+            "skipped": strategy.metrics()["skipped_steps"], "scale": strategy.precision.scale}
 
 
 def _pair(precision: str = "fp32", accumulation: int = 1,
@@ -185,7 +186,18 @@ def _restore_job(root: str, sources: list[str], save_mirrored: bool,
     """Restore each source into Sharded (and, with save_mirrored, into Mirrored, saving it
     again for the next job); return the restored and continued consensus models, and the
     (Sharded, Mirrored) results of the equivalence ``scenarios`` (one launch, fewer seconds)."""
-    pairs = [_pair(*s) for s in scenarios]
+    pairs: list[Any] = [_pair(*s) for s in scenarios]
+    if not scenarios:  # the 3-rank job: fit, with evaluation and checkpoints, under Sharded
+        strategy = sg.Sharded(timeout=30)
+        with strategy.scope():
+            model = _mlp()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        x, y = _data()
+        history = strategy.fit(model, opt, F.cross_entropy, (x[:384], y[:384]), epochs=3,
+                               global_batch_size=48, eval_dataset=(x[384:], y[384:]),
+                               checkpoint_dir=f"{root}/fit", progress=False)
+        pairs.append(history)
+        strategy.close()
     out = []
     kinds = [("sharded", s) for s in sources] + ([("mirrored", sources[0])] if save_mirrored else [])
     for kind, source in kinds:
@@ -207,7 +219,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The three launches (4, 2, 3 ranks) every test below reads."""
     root = tmp_path_factory.mktemp("sharded")
     first = sg.launch(_save_job, nprocs=4, args=(str(root),), timeout=200)
-    scenarios = [("fp32", 1, 0.5), ("fp32", 4, None), ("bf16", 1, None)]
+    scenarios = [("fp32", 1, 0.5), ("fp32", 4, None), ("bf16", 1, None), ("fp16", 1, 1.0)]
     second = sg.launch(_restore_job, nprocs=2, args=(str(root), ["sharded"], True, scenarios),
                        timeout=200)
     third = sg.launch(_restore_job, nprocs=3, args=(str(root), ["sharded", "mirrored"], False, []),
@@ -217,7 +229,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_sharded_equals_mirrored_on_2_ranks_fp32_accumulation_bf16_and_clip(runs):
     results = [r[1] for r in runs["second"]]
-    (s32, m32), (sacc, macc), (sbf, mbf) = results[0]
+    (s32, m32), (sacc, macc), (sbf, mbf), (s16, m16) = results[0]
     assert s32["class"] is nn.Sequential  # eval_model: a plain module of the user's class
     _assert_close(s32["state"], m32["state"], atol=1e-5, rtol=1e-5)
     # clip_grad_norm_ over sharded gradients: the global norm, as Mirrored's all-reduced one.
@@ -232,6 +244,11 @@ def test_sharded_equals_mirrored_on_2_ranks_fp32_accumulation_bf16_and_clip(runs
     moved = max(float((sbf["state"][k] - _mlp().state_dict()[k]).abs().max())
                 for k in sbf["state"])
     assert moved > 0.05  # it trained: the tolerance is far below the distance travelled
+    # fp16: dynamic loss scaling; the first step overflows at 2**16 in some replica's rows and
+    # every replica skips it (the flag is all-reduced), like Mirrored's all-reduced gradient.
+    assert s16["skipped"] == m16["skipped"] >= 1 and s16["scale"] == m16["scale"]
+    assert all(r[1][3][0]["skipped"] == s16["skipped"] for r in runs["second"])
+    _assert_close(s16["state"], m16["state"], atol=2e-3, rtol=2e-3)
     # Every replica holds the same consensus model.
     for (s, _), (s0, _) in zip(results[1], results[0]):
         _assert_close(s["state"], s0["state"], atol=0, rtol=0)
@@ -269,6 +286,16 @@ def test_sharded_save_writes_per_rank_files_and_consolidates(runs):
     with torch.no_grad():
         torch.testing.assert_close(plain(first[0]["probe"]), first[0]["out"], atol=0, rtol=0)
 
+
+
+def test_fit_trains_evaluates_and_checkpoints_under_sharded(runs):
+    history = runs["third"][0][1][0]
+    assert len(history["loss"]) == 3 and history["loss"][-1] < history["loss"][0]
+    assert 0.0 <= history["val_accuracy"][-1] <= 1.0
+    for r in runs["third"]:  # identical on every replica
+        assert all(r[1][0][k] == history[k] for k in ("loss", "val_loss", "val_accuracy"))
+    files = {p.name for p in (runs["root"] / "fit").iterdir()}
+    assert {"model.rank0.safetensors", "model.rank2.safetensors"} <= files
 
 
 def test_sharded_checkpoint_restores_on_2_and_3_ranks_and_through_mirrored(runs):

@@ -965,8 +965,8 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
             if sharded.is_sharded(raw) and consolidate:
                 raw = sharded.gather_full(raw)
             elif sharded.is_sharded(raw):
-                entry = _save_shards(comm, key, {_clean_name(k): v for k, v in raw.items()},
-                                     own, "module")
+                entry = sharded.save_entry(comm, key, {_clean_name(k): v for k, v in raw.items()},
+                                           own, "module", _pack)
                 entry["local_steps"] = prepared.local_steps if prepared is not None else 0
                 manifest["objects"][key] = entry
                 continue
@@ -993,7 +993,7 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
         elif isinstance(obj, torch.optim.Optimizer):
             sd = strategy._optimizer_state(obj)
             if sharded.is_sharded(sd) and not consolidate:
-                manifest["objects"][key] = _save_shards(comm, key, sd, own, "optimizer")
+                manifest["objects"][key] = sharded.save_entry(comm, key, sd, own, "optimizer", _pack)
                 continue
             sd = sharded.gather_full(sd) if sharded.is_sharded(sd) else sd
             blob = _pack(sd, f"{key} (optimizer state)")
@@ -1051,20 +1051,6 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
     if failed.item() > 0:
         raise CheckpointError(f"the chief (rank 0) failed to write checkpoint {path}; see its log")
     return written if written is not None else path
-
-
-def _save_shards(comm: Any, key: str, state: Any, own: dict[str, bytes], kind: str) -> dict[str, Any]:
-    """This replica's rows of ``state`` packed into ``own`` (written by this replica); the
-    manifest entry with every replica's index (one small all-gather of JSON)."""
-    local, index, aliases = sharded.localize(state, comm.rank)
-    own[f"{key}.rank{comm.rank}.safetensors"] = _pack(local, f"{key} (rank {comm.rank}'s shards)")
-    per_rank = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(index).encode())]
-    entry: dict[str, Any] = {"kind": kind, "sharded": sharded.shard_index(key, per_rank)}
-    if kind == "module":
-        entry["file"] = f"{key}.rank0.safetensors"
-        if aliases:
-            entry["aliases"] = aliases
-    return entry
 
 
 def _has_tensor(obj: Any) -> bool:
@@ -1283,13 +1269,8 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
 
 
 def _merge_shards(directory: Path, blobs: dict[str, bytes], entry: dict[str, Any]) -> Any:
-    """The full state of a sharded entry: every replica's file, rows concatenated."""
-    parts = [_unpack(_member(directory, blobs, f), str(directory / f))
-             for f in sharded.shard_files(entry, str(directory))]
-    merged = sharded.merge(parts, entry["sharded"], str(directory))
-    if entry.get("kind") == "module":  # tied names are None in the files: aliases refill them
-        merged = {k: v for k, v in merged.items() if v is not None}
-    return merged
+    return sharded.load_entry(entry, lambda f: _unpack(_member(directory, blobs, f),
+                                                        str(directory / f)), str(directory))
 
 
 def _restore_model_file(strategy: Strategy, file: Path, state: dict[str, Any]) -> dict[str, Any]:

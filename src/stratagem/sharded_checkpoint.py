@@ -45,7 +45,7 @@ from .comm import Comm
 from .errors import CheckpointError
 
 __all__ = ["is_sharded", "gather_full", "localize", "shard_index", "shard_files", "merge",
-           "commit_with_shards"]
+           "save_entry", "load_entry", "commit_with_shards"]
 
 _Path = list[Any]  # keys (str / int) from the root of a nested state to a tensor
 
@@ -217,6 +217,36 @@ def merge(parts: list[Any], sharded: dict[str, Any], where: str) -> Any:
     if wanted:
         raise CheckpointError(bad.format(f"{len(wanted)} indexed tensor(s) absent, e.g. "
                                          f"{next(iter(wanted))[:80]}"))
+    return merged
+
+
+def save_entry(comm: Comm, key: str, state: Any, own: dict[str, bytes], kind: str,
+               pack: Callable[[Any, str], bytes]) -> dict[str, Any]:
+    """This replica's rows of ``state`` packed (``pack``: the checkpoint's own safetensors +
+    JSON skeleton) into ``own[<key>.rank<r>.safetensors]``, which this replica writes; returns
+    the manifest entry with every replica's index (one small all-gather of JSON)."""
+    local, index, aliases = localize(state, comm.rank)
+    own[f"{key}.rank{comm.rank}.safetensors"] = pack(local, f"{key} (rank {comm.rank}'s shards)")
+    per_rank = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(index).encode())]
+    entry: dict[str, Any] = {"kind": kind, "sharded": shard_index(key, per_rank)}
+    if kind == "module":
+        entry["file"] = f"{key}.rank0.safetensors"
+        if aliases:
+            entry["aliases"] = aliases
+    return entry
+
+
+def load_entry(entry: dict[str, Any], read: Callable[[str], Any], where: str) -> Any:
+    """The full state of a sharded entry: every file (``read``: verified and unpacked by the
+    checkpoint reader), rows concatenated. Tied names of a module come back through the
+    entry's aliases, not from the files."""
+    parts = [read(f) for f in shard_files(entry, where)]
+    merged = merge(parts, entry["sharded"], where)
+    if entry.get("kind") == "module":
+        if not isinstance(merged, dict):
+            raise CheckpointError(f"{where}: a sharded module's files hold a "
+                                  f"{type(merged).__name__}, not a dict of tensors")
+        merged = {k: v for k, v in merged.items() if v is not None}
     return merged
 
 

@@ -42,6 +42,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import Comm
+from ..precision import Precision
 from ..strategy import Prepared, Strategy
 
 __all__ = ["Sharded", "FSDPSharding", "ShardModules", "row_range"]
@@ -288,6 +289,10 @@ class Sharded(Strategy):
                 f"cpu_offload=True keeps the shards in pinned host memory and copies them to "
                 f"the GPU unit by unit; it needs a CUDA device, got device={self.device}. Fix: "
                 "drop cpu_offload on a CPU job (its tensors already live in host memory)")
+        base = self.precision
+        self.precision = _LocalPrecision(base.precision, device_type=base.device_type,
+                                         on_nonfinite=base.on_nonfinite, init_scale=base.scale,
+                                         growth_interval=base.growth_interval)
         param_dtype = self.precision.dtype
         reduce_dtype = ({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
                         [reduce_precision] if reduce_precision is not None else param_dtype)
@@ -423,6 +428,17 @@ class Sharded(Strategy):
 
     def _extra_metrics(self) -> dict[str, Any]:
         return {}
+
+
+class _LocalPrecision(Precision):
+    """Unscales and checks each replica's own rows: a DTensor gradient would route every
+    per-tensor ``sum`` and ``isfinite`` through DTensor dispatch (and a reduction across
+    replicas). The replicas' verdicts are then agreed by the base class's one all-reduce of
+    the flag (``_synchronous_step``)."""
+
+    def unscale_and_check(self, grads: Iterable[torch.Tensor]) -> bool:
+        return super().unscale_and_check(
+            [g.to_local() if isinstance(g, DTensor) else g for g in grads])
 
 
 def _materialize(template: nn.Module, device: torch.device) -> nn.Module:
