@@ -81,10 +81,12 @@ def _train(strategy: sg.Strategy, *, clip: float | None = None,
             if micro == steps * strategy.accumulation_steps:
                 break
         epoch += 1
+    sent = strategy.metrics()["bytes_sent"]
     ev = strategy.eval_model(model)
     state = {k: v.detach().clone() for k, v in ev.state_dict().items()}
     return {"state": state, "norms": norms, "class": type(ev), "model": model, "opt": opt,
-            "skipped": strategy.metrics()["skipped_steps"], "scale": strategy.precision.scale}
+            "skipped": strategy.metrics()["skipped_steps"], "scale": strategy.precision.scale,
+            "sent": sent}
 
 
 def _pair(precision: str = "fp32", accumulation: int = 1,
@@ -116,6 +118,14 @@ def test_row_ranges_default_units_and_argument_errors():
     assert model.blocks[0] in units and model.blocks[1] in units
     # The tied embedding and head stay with the root: FSDP2 gives a parameter one unit.
     assert model.embed not in units and model.head not in units
+    from stratagem.strategies.sharded import FSDPSharding
+
+    tied = FSDPSharding(sg.Comm.single(), device=torch.device("cpu"), shard_modules=[nn.Embedding])
+    with pytest.raises(ValueError, match="'weight' is also used outside it"):
+        tied.units(TiedLM())
+    blocks = FSDPSharding(sg.Comm.single(), device=torch.device("cpu"),
+                          shard_modules=lambda m: isinstance(m, nn.Sequential))
+    assert blocks.units(model) == [model.blocks[0], model.blocks[1]]
     with pytest.raises(ValueError, match="cpu_offload=True .* needs a CUDA device"):
         sg.Sharded(cpu_offload=True, comm=sg.Comm.single(), device="cpu")
     with pytest.raises(TypeError, match="shard_modules must be"):
@@ -237,6 +247,11 @@ def test_sharded_equals_mirrored_on_2_ranks_fp32_accumulation_bf16_and_clip(runs
     torch.testing.assert_close(torch.tensor(s32["norms"]), torch.tensor(m32["norms"]),
                                atol=1e-5, rtol=1e-5)
     _assert_close(sacc["state"], macc["state"], atol=1e-5, rtol=1e-5)
+    # Traffic, counted like Mirrored's: all-gather (forward), again (backward), reduce-
+    # scatter, each (W-1)/W of the parameters, against the all-reduce's 2 (W-1)/W.
+    assert 1.3 < s32["sent"] / m32["sent"] < 1.55, (s32["sent"], m32["sent"])
+    # Accumulation 4: four forwards (two gathers each), one reduce-scatter per step.
+    assert 2.5 < sacc["sent"] / s32["sent"] < 3.1, (sacc["sent"], s32["sent"])
     # bf16: FSDP2 computes with bf16 copies of the parameters and reduces in bf16, Mirrored
     # autocasts the matmuls and reduces in fp32; both keep fp32 masters. Same trajectory up
     # to bf16 rounding (measured max difference ~1.3e-3 after 20 steps of lr 0.01).

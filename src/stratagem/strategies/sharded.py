@@ -83,17 +83,10 @@ def default_units(root: nn.Module) -> list[nn.Module]:
     total = _numel(params.values())
     if total == 0:
         return []
-    owners: dict[int, int] = {}
-    for module in root.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    owners = _owners(root)
 
     def shares_outside(module: nn.Module) -> bool:
-        inside: dict[int, int] = {}
-        for sub in module.modules():
-            for p in sub.parameters(recurse=False):
-                inside[id(p)] = inside.get(id(p), 0) + 1
-        return any(owners[i] != n for i, n in inside.items())
+        return _shared_outside(module, owners) is not None
 
     units: list[nn.Module] = []
 
@@ -114,6 +107,26 @@ def default_units(root: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _owners(root: nn.Module) -> dict[int, int]:
+    """How many (module, attribute) slots hold each parameter (2 for a tied one)."""
+    owners: dict[int, int] = {}
+    for module in root.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return owners
+
+
+def _shared_outside(module: nn.Module, owners: dict[int, int]) -> str | None:
+    """The name (in ``module``) of a parameter also used outside ``module``, if any."""
+    inside: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for name, sub in module.named_modules():
+        for pname, p in sub.named_parameters(recurse=False):
+            inside[id(p)] = inside.get(id(p), 0) + 1
+            names.setdefault(id(p), f"{name}.{pname}" if name else pname)
+    return next((names[i] for i, n in inside.items() if owners[i] != n), None)
+
+
 def _chosen_units(root: nn.Module, shard_modules: ShardModules) -> list[nn.Module]:
     if shard_modules is None:
         return default_units(root)
@@ -123,7 +136,17 @@ def _chosen_units(root: nn.Module, shard_modules: ShardModules) -> list[nn.Modul
         classes = tuple(shard_modules)
         def predicate(m: nn.Module) -> bool:
             return isinstance(m, classes)
-    return [m for m in root.modules() if m is not root and predicate(m)]
+    units = [m for m in root.modules() if m is not root and predicate(m)]
+    owners = _owners(root)
+    for unit in units:
+        shared = _shared_outside(unit, owners)
+        if shared is not None:
+            raise ValueError(
+                f"shard_modules selects a {type(unit).__name__} whose parameter {shared!r} is "
+                "also used outside it (tied weights); FSDP2 manages each parameter in exactly "
+                "one unit. Fix: leave that module out of shard_modules (the root then holds "
+                "the tied parameter), e.g. shard only the transformer blocks")
+    return units
 
 
 class FSDPSharding:
@@ -159,6 +182,12 @@ class FSDPSharding:
             self._mesh = DeviceMesh.from_group(self.comm.group, self.device.type)
         return self._mesh
 
+    def units(self, module: nn.Module) -> list[nn.Module]:
+        """The submodules of ``module`` that become FSDP units (``shard_modules``, else
+        :func:`default_units`); ``ValueError`` when one shares a parameter with the rest of
+        the model (tied weights), which FSDP2 cannot split across units."""
+        return _chosen_units(module, self.shard_modules)
+
     def shard(self, module: nn.Module) -> list[nn.Module]:
         """Apply ``fully_shard`` to the chosen units (innermost first), then to ``module``
         itself; the module is modified in place. Returns the units (root last). A single
@@ -167,14 +196,18 @@ class FSDPSharding:
             return []
         offload: OffloadPolicy = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
-        units = _chosen_units(module, self.shard_modules)
+        units = self.units(module)
         depth = {id(m): 0 for m in units}
         for name, m in module.named_modules():
             if id(m) in depth:
                 depth[id(m)] = name.count(".") + 1
         units.sort(key=lambda m: -depth[id(m)])  # nested units before the units holding them
         for unit in [*units, module]:
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward,
+            # The root's parameters (embedding, output head) are needed again as soon as the
+            # backward starts: like fully_shard's own default, it is never resharded between
+            # its forward and backward.
+            reshard = self.reshard_after_forward and unit is not module
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard,
                         mp_policy=policy, offload_policy=offload)
         return [*units, module]
 
@@ -244,7 +277,7 @@ class Sharded(Strategy):
 
     Arguments: ``reshard_after_forward`` (free a unit's gathered parameters after its
     forward and gather them again for the backward: less memory, one more all-gather per
-    step), ``shard_modules`` (which submodules become FSDP units: classes such as your
+    step; the root is never resharded, as in ``fully_shard``'s default), ``shard_modules`` (which submodules become FSDP units: classes such as your
     transformer block, or a predicate ``module -> bool``; default: each child holding a
     sizeable share of the parameters, see :func:`default_units`, then the root),
     ``cpu_offload`` (CUDA only: keep shards in pinned host memory), ``reduce_precision``
@@ -255,8 +288,10 @@ class Sharded(Strategy):
     optimizer state stay float32.
 
     On failure: a dead or stalled peer makes an all-gather or reduce-scatter fail within
-    ``timeout`` (the process group's own timeout) and ``strategy.backward`` raises
-    ``PeerTimeoutError`` naming it. A non-finite gradient in any replica's rows is agreed on
+    the process group's timeout (``timeout``); in ``strategy.backward`` that becomes
+    ``PeerTimeoutError`` naming the peer, while a failure of a forward's all-gather surfaces
+    as torch's own error from ``model(x)`` (FSDP2 gathers in a pre-forward hook, outside
+    anything stratagem wraps). A non-finite gradient in any replica's rows is agreed on
     by all (one all-reduce of a flag): all skip the step (fp16 loss scaling,
     ``on_nonfinite="skip"``) or all raise ``FloatingPointError``.
 
@@ -299,6 +334,8 @@ class Sharded(Strategy):
         self.reshard_after_forward = reshard_after_forward
         self.shard_modules = shard_modules
         self.cpu_offload = cpu_offload
+        # Per prepared module: whether its next backward reduce-scatters (byte counting).
+        self._sync_states: dict[int, dict[str, bool]] = {}
         self.sharding = FSDPSharding(self.comm, device=self.device,
                                      reshard_after_forward=reshard_after_forward,
                                      shard_modules=shard_modules, cpu_offload=cpu_offload,
@@ -316,12 +353,12 @@ class Sharded(Strategy):
                              "fully_shard itself")
         template = _meta_template(module)
         before = dict(module.named_parameters(remove_duplicate=False))
-        self.sharding.shard(module)
+        units = self.sharding.shard(module)
         after = dict(module.named_parameters(remove_duplicate=False))
         # fully_shard replaces every parameter by a new DTensor parameter; the optimizers
         # the user built before prepare are re-pointed at them in _setup.
         self._pending = (template, {id(p): after[n] for n, p in before.items()})
-        self._count_bytes(module)
+        self._count_bytes(module, units[:-1])
         return model
 
     def _setup(self, prepared: Prepared) -> None:
@@ -339,26 +376,30 @@ class Sharded(Strategy):
             for group in inner.param_groups:
                 group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
-    def _count_bytes(self, module: nn.Module) -> None:
+    def _count_bytes(self, module: nn.Module, units: list[nn.Module]) -> None:
         """Count FSDP2's traffic analytically at the root's forward (it bypasses ``Comm``):
         per replica a ring all-gather of the parameters in the compute dtype for the forward,
-        another for the backward when ``reshard_after_forward``, and a reduce-scatter of the
-        gradients in the reduction dtype when this backward synchronises (each moves
-        ``(W-1)/W`` of the full size)."""
+        another of the units' (not the root's) for the backward when
+        ``reshard_after_forward``, and a reduce-scatter of the gradients in the reduction
+        dtype when this backward synchronises (each moves ``(W-1)/W`` of the full size)."""
         world = self.comm.world_size
         if world == 1:
             return
         numel = sum(p.numel() for p in module.parameters())
-        gather = numel * (self.sharding.param_dtype or torch.float32).itemsize * (world - 1) / world
-        scatter = numel * (self.sharding.reduce_dtype or torch.float32).itemsize * (world - 1) / world
+        in_units = sum(p.numel() for p in {id(p): p for u in units
+                                           for p in u.parameters()}.values())
+        share = (world - 1) / world
+        gather = numel * (self.sharding.param_dtype or torch.float32).itemsize * share
+        regather = in_units * (self.sharding.param_dtype or torch.float32).itemsize * share
+        scatter = numel * (self.sharding.reduce_dtype or torch.float32).itemsize * share
         comm, state = self.comm, {"sync": True}
-        self._sync_state = state
+        self._sync_states[id(module)] = state
 
         def count(_module: nn.Module, _args: Any) -> None:
             nbytes = gather
             if torch.is_grad_enabled():
                 if self.reshard_after_forward:
-                    nbytes += gather
+                    nbytes += regather
                 if state["sync"]:
                     nbytes += scatter
             comm.account(nbytes, nbytes)
@@ -368,7 +409,7 @@ class Sharded(Strategy):
 
     def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
         self.sharding.set_grad_sync(prepared.module, enabled)
-        state = getattr(self, "_sync_state", None)
+        state = self._sync_states.get(id(prepared.module))
         if state is not None:
             state["sync"] = enabled
 
@@ -425,9 +466,6 @@ class Sharded(Strategy):
             for name, value in prepared.module.state_dict().items():
                 targets[name].copy_(self.sharding.full(value.detach()))
         return clone
-
-    def _extra_metrics(self) -> dict[str, Any]:
-        return {}
 
 
 class _LocalPrecision(Precision):
