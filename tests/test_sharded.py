@@ -10,6 +10,10 @@ worker runs several scenarios.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -191,6 +195,33 @@ def _save_job(root: str) -> dict[str, Any]:
     return result
 
 
+def _failed_save(strategy: sg.Strategy, model: nn.Module, path: str) -> dict[str, Any]:
+    """Rank 2 cannot write its shard file: every rank raises CheckpointError, the staging
+    directory is removed, and ``path`` still holds the previous (fit's last) checkpoint."""
+    import stratagem.checkpoint as ck
+
+    before = os.readlink(path)
+    good = ck._fsync_write  # fault injection: this rank's writes fail
+
+    def failing(file: Path, data: bytes) -> str:
+        raise OSError(28, "No space left on device (injected)")
+
+    if strategy.replica_id == 2:
+        ck._fsync_write = failing
+    try:
+        strategy.save(path, model=model, step=99)
+        error = ""
+    except sg.CheckpointError as exc:
+        error = str(exc)
+    finally:
+        ck._fsync_write = good
+    versions = Path(path).parent / f".{Path(path).name}.versions"
+    strategy.comm.barrier()
+    return {"error": error, "link_kept": os.readlink(path) == before,
+            "staging_left": [d.name for d in versions.iterdir() if d.name.startswith("tmp-")],
+            "step": checkpoint.read_extras(path)["step"]}
+
+
 def _restore_job(root: str, sources: list[str], save_mirrored: bool,
                  scenarios: list[tuple[str, int, float | None]]) -> tuple[list[Any], list[Any]]:
     """Restore each source into Sharded (and, with save_mirrored, into Mirrored, saving it
@@ -207,6 +238,7 @@ def _restore_job(root: str, sources: list[str], save_mirrored: bool,
                                global_batch_size=48, eval_dataset=(x[384:], y[384:]),
                                checkpoint_dir=f"{root}/fit", progress=False)
         pairs.append(history)
+        pairs.append(_failed_save(strategy, model, f"{root}/fit"))
         strategy.close()
     out = []
     kinds = [("sharded", s) for s in sources] + ([("mirrored", sources[0])] if save_mirrored else [])
@@ -311,6 +343,30 @@ def test_fit_trains_evaluates_and_checkpoints_under_sharded(runs):
         assert all(r[1][0][k] == history[k] for k in ("loss", "val_loss", "val_accuracy"))
     files = {p.name for p in (runs["root"] / "fit").iterdir()}
     assert {"model.rank0.safetensors", "model.rank2.safetensors"} <= files
+
+
+def test_failed_shard_write_leaves_the_previous_checkpoint(runs):
+    for r in runs["third"]:
+        failed = r[1][1]
+        assert "rank 2" in failed["error"] and "injected" in failed["error"]
+        assert failed["link_kept"] and failed["staging_left"] == []
+        assert failed["step"] != 99  # the last good checkpoint (fit's) is still the one read
+
+
+def test_tampered_sharded_index_is_refused(runs, tmp_path):
+    # A copy of the 4-rank checkpoint whose index claims rows no file holds.
+    evil = tmp_path / "evil"
+    shutil.copytree((runs["root"] / "sharded").resolve(), evil)
+    manifest = json.loads((evil / "manifest.json").read_text())
+    entry = manifest["objects"]["model"]["sharded"]["tensors"][0]
+    entry["rows"][1] = [entry["rows"][1][0] + 1, entry["rows"][1][1]]  # a gap in the rows
+    (evil / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sg.CheckpointError, match="inconsistent sharded index"):
+        checkpoint.load_model_state(evil)
+    manifest["objects"]["model"]["sharded"]["files"] = ["../../etc/passwd"]
+    (evil / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sg.CheckpointError):
+        checkpoint.load_model_state(evil)
 
 
 def test_sharded_checkpoint_restores_on_2_and_3_ranks_and_through_mirrored(runs):

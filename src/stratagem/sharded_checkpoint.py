@@ -34,6 +34,7 @@ under the model's own names, loadable by ``safetensors.torch.load_model`` into a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from .errors import CheckpointError
 __all__ = ["is_sharded", "gather_full", "localize", "shard_index", "shard_files", "merge",
            "save_entry", "load_entry", "commit_with_shards"]
 
+_FILE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\.rank\d{1,6}\.safetensors")
 _Path = list[Any]  # keys (str / int) from the root of a nested state to a tensor
 
 
@@ -151,7 +153,7 @@ def shard_files(entry: dict[str, Any], where: str) -> list[str]:
     sharded = entry.get("sharded")
     files = sharded.get("files") if isinstance(sharded, dict) else None
     if not (isinstance(files, list) and files and len(files) <= 1 << 16
-            and all(isinstance(f, str) for f in files)):
+            and all(isinstance(f, str) and _FILE_RE.fullmatch(f) for f in files)):
         raise CheckpointError(f"{where}: the sharded entry's files are {files!r:.80}, expected "
                               "a non-empty list of file names. Fix: the checkpoint is corrupt "
                               "or was not written by stratagem; restore another version")
