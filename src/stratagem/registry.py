@@ -24,6 +24,7 @@ _NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "eamsgd": ("stratagem.strategies.elastic_average", "ElasticAveraging", {"momentum": 0.9}),
     "local_sgd": ("stratagem.strategies.local_sgd", "LocalSGD", {}),
     "diloco": ("stratagem.strategies.local_sgd", "DiLoCo", {}),
+    "hierarchical": ("stratagem.strategies.hierarchical", "Hierarchical", {}),
 }
 _ALIASES = {"onedevice": "one_device", "ps": "ps-async", "parameter_server": "ps-async",
             "localsgd": "local_sgd", "local-sgd": "local_sgd", "one-device": "one_device",

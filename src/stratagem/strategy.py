@@ -31,6 +31,7 @@ from .comm import Comm
 from .context import InputContext, ReplicaContext, _enter_replica, _enter_scope
 from .data import DistributedLoader
 from .errors import ReplicaMismatchError
+from .parts.base import Part
 from .precision import Autocast, Precision
 
 __all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer"]
@@ -177,6 +178,13 @@ class Strategy:
     _local_optimizer_state = False
     #: Short name, also the one ``Strategy.from_name`` accepts.
     name = "strategy"
+    #: Where ``Hierarchical`` accepts this strategy: "inner" (synchronises the processes of a
+    #: node every step), "outer" (synchronises across nodes, from its parts).
+    _hierarchy_roles: tuple[str, ...] = ()
+    #: As an inner strategy: True when every process of the group holds the whole, identical
+    #: model after each step (so one copy per node needs to cross nodes); False for sharded
+    #: models (each process holds its shard, synchronised with its peers on other nodes).
+    _replicates_model = True
 
     def __init__(
         self,
@@ -214,7 +222,10 @@ class Strategy:
         self.precision = Precision(precision, device_type=self.device.type,
                                    on_nonfinite=on_nonfinite, growth_interval=growth_interval,
                                    init_scale=init_scale)
-        self.comm = comm if comm is not None else self._comm_from_env()
+        # Joined on first use, so that a strategy built only as configuration (the inner and
+        # outer strategies of Hierarchical) never joins the job's process group itself.
+        self._comm: Comm | None = comm
+        self._parts: list[Part] | None = None
         if global_accumulation_steps is not None:
             self.global_accumulation_steps = global_accumulation_steps
         elif accumulation_steps is not None:
@@ -232,6 +243,37 @@ class Strategy:
 
     def _comm_from_env(self) -> Comm:
         return Comm.from_env(timeout=self.timeout, device=self.device)
+
+    @property
+    def comm(self) -> Comm:
+        """This strategy's communicator (the job's, from the environment, unless ``comm=``
+        was given); joined on first use."""
+        if self._comm is None:
+            self._comm = self._comm_from_env()
+        return self._comm
+
+    # ------------------------------------------------------------------ parts
+    def _build_parts(self, comm: Comm) -> list[Part]:
+        """The synchronisation parts this strategy is made of, over ``comm``, in the order
+        their hooks run (see :mod:`stratagem.parts`). Strategies override this; ``Hierarchical``
+        calls its inner and outer strategies' ``_build_parts`` with a node's Comm and a Comm
+        across nodes."""
+        return []
+
+    def _hierarchy_parts(self, comm: Comm) -> list[Part]:
+        """The parts this strategy contributes as ``Hierarchical``'s inner or outer strategy,
+        over ``comm`` (a node's Comm, or one across nodes): its own parts by default."""
+        return self._build_parts(comm)
+
+    @property
+    def parts(self) -> list[Part]:
+        """The parts this strategy runs (built on first use over :attr:`comm`)."""
+        if self._parts is None:
+            parts = self._build_parts(self.comm)
+            for part in parts:
+                part.attach(self)
+            self._parts = parts
+        return self._parts
 
     # ------------------------------------------------------------------ accumulation
     @property
@@ -398,35 +440,56 @@ class Strategy:
             self.comm.broadcast_coalesced([t.data for t in state], src=0)
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
+        bare = _uncompiled(module)
+        for part in self.parts:
+            module = part.wrap_model(module, bare)
         return module
 
     def _setup(self, prepared: Prepared) -> None:
         """Called once per prepared model, after rank 0's state was broadcast."""
+        for part in self.parts:
+            part.setup(prepared)
 
     def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
         """Whether the next forward/backward should communicate gradients (accumulation)."""
+        for part in self.parts:
+            part.set_grad_sync(prepared, enabled)
 
     def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
         opt.optimizer.step()
 
     def _after_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
-        """The strategy's synchronisation after a real (non-skipped) optimizer step."""
+        """The strategy's synchronisation after a real (non-skipped) optimizer step: each
+        part's, in order."""
+        for part in self.parts:
+            part.after_update(prepared)
 
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
-        """The model users should keep, under the module's own names (collective)."""
-        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+        """The model users should keep, under the module's own names (collective): the
+        module's state with each part's consensus values."""
+        state = prepared.module.state_dict(keep_vars=True)
+        for part in self.parts:
+            state = part.consensus(prepared, state)
+        return {k: v.detach() for k, v in state.items()}
 
     def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         """Load a checkpointed model into every replica (collective)."""
         prepared.module.load_state_dict(state)
+        for part in self.parts:
+            part.loaded(prepared)
 
     def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         """Extra per-strategy tensors to checkpoint (center, outer momentum...)."""
-        return {}
+        out: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            out.update(part.extra_state(prepared))
+        return out
 
     def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         """Restore what ``_strategy_state`` returned (keys may be missing: another strategy
         wrote the checkpoint)."""
+        for part in self.parts:
+            part.load_extra_state(prepared, state)
 
     def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         """This replica's optimizer state for a checkpoint (a parameter-server strategy reads
@@ -445,7 +508,14 @@ class Strategy:
         replica: for some strategies it is a collective (LocalSGD averages). A model that was
         not prepared by this strategy is returned unchanged."""
         prepared = self._find_prepared(model)
-        return prepared.module if prepared is not None else model
+        if prepared is None:
+            return model
+        if all(part.replicated for part in self.parts):
+            return prepared.module
+        copy_ = self._eval_copy(prepared)
+        with torch.no_grad():
+            copy_.load_state_dict(self._checkpoint_model(prepared))
+        return copy_
 
     def finalize(self, model: nn.Module) -> None:
         """One last synchronisation, so that the consensus model (``eval_model``, ``save``)
@@ -461,7 +531,9 @@ class Strategy:
         self._finalize(prepared)
 
     def _finalize(self, prepared: Prepared) -> None:
-        """Strategies with local steps override this (see :meth:`finalize`)."""
+        """Each part's last synchronisation, in order (see :meth:`finalize`)."""
+        for part in self.parts:
+            part.finalize(prepared)
 
     def _require_prepared(self, model: nn.Module, what: str) -> Prepared:
         prepared = self._find_prepared(model)
@@ -488,7 +560,10 @@ class Strategy:
         ``metrics()`` reads it."""
 
     def _extra_metrics(self) -> dict[str, Any]:
-        return {}
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.metrics())
+        return out
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(self, model: nn.Module, max_norm: float,
@@ -809,7 +884,10 @@ class Strategy:
 
     def close(self) -> None:
         """Release background resources (heartbeat thread, parameter-server channels)."""
-        self.comm.close()
+        for part in self._parts or []:
+            part.close()
+        if self._comm is not None:
+            self._comm.close()
 
 
 # ---------------------------------------------------------------------- helpers
