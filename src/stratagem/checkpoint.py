@@ -60,6 +60,7 @@ from torch import nn
 
 from .data import DistributedLoader
 from .errors import CheckpointError
+from .validation import check_int
 
 if TYPE_CHECKING:
     from .strategy import Strategy
@@ -933,8 +934,7 @@ def _load_into(strategy: Strategy, module: nn.Module, tensors: dict[str, torch.T
 # ---------------------------------------------------------------------- save
 def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2, **state: Any) -> Path:
     """Collective save; see the module docstring. Returns the version directory written."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    check_int("keep_last", keep_last, minimum=1, fix="pass how many versions to keep, e.g. 2")
     path = _clean_path(path)
     comm = strategy.comm
     files: dict[str, bytes] = {}

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .validation import check_int
+
 __all__ = ["DistributedLoader"]
 
 
@@ -53,9 +55,8 @@ class DistributedLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
     ) -> None:
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
-                or global_batch_size <= 0:
-            raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+        check_int("global_batch_size", global_batch_size, minimum=1,
+                  fix="pass the batch size summed over all replicas, e.g. 64")
         if global_batch_size % num_replicas:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by the "

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .validation import check_int
+
 if TYPE_CHECKING:
     from .strategy import Strategy
 
@@ -57,8 +59,8 @@ class PreemptionCheckpoint:
                  signals: Iterable[int] = (signal.SIGTERM,), exit: bool = True,
                  exit_code: int = PREEMPTED_EXIT_CODE, keep_last: int = 2,
                  **state: Any) -> None:
-        if not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
-            raise ValueError(f"exit_code must be an int in [0, 255], got {exit_code!r}")
+        check_int("exit_code", exit_code, minimum=0, maximum=255,
+                  fix=f"pass a process exit status, e.g. {PREEMPTED_EXIT_CODE}")
         self.strategy = strategy
         self.path = path
         self.signals = tuple(signals)

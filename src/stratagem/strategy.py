@@ -32,6 +32,7 @@ from .context import InputContext, ReplicaContext, _enter_replica, _enter_scope
 from .data import DistributedLoader
 from .errors import ReplicaMismatchError
 from .precision import Autocast, Precision
+from .validation import check_int, check_number
 
 __all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer"]
 
@@ -64,12 +65,6 @@ def _uncompiled(module: nn.Module) -> nn.Module:
             break
         module = inner
     return module
-
-
-def _check_count(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}. Fix: {fix}")
-    return value
 
 
 @dataclass
@@ -197,14 +192,14 @@ class Strategy:
                 f"workers), not both; got accumulation_steps={accumulation_steps!r} and "
                 f"global_accumulation_steps={global_accumulation_steps!r}. Fix: drop one")
         if accumulation_steps is not None:
-            _check_count("accumulation_steps", accumulation_steps,
-                         "pass the number of micro-batches per optimizer step, e.g. 4")
+            check_int("accumulation_steps", accumulation_steps, minimum=1,
+                         fix="pass the number of micro-batches per optimizer step, e.g. 4")
         if global_accumulation_steps is not None:
-            _check_count("global_accumulation_steps", global_accumulation_steps,
-                         "pass the number of micro-batches per optimizer step summed over all "
+            check_int("global_accumulation_steps", global_accumulation_steps, minimum=1,
+                         fix="pass the number of micro-batches per optimizer step summed over all "
                          "workers, e.g. 8")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_number("timeout", timeout, low=0, low_open=True,
+                     fix="pass the seconds a peer may stay silent, e.g. timeout=60")
         self.device = torch.device(device) if device is not None else _default_device()
         self.timeout = float(timeout)
         self._prepared: list[Prepared] = []
@@ -242,8 +237,8 @@ class Strategy:
 
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
-        _check_count("accumulation_steps", value,
-                     "pass the number of micro-batches per optimizer step, e.g. 4")
+        check_int("accumulation_steps", value, minimum=1,
+                     fix="pass the number of micro-batches per optimizer step, e.g. 4")
         if self._accumulating():
             raise RuntimeError(
                 f"cannot change accumulation_steps from {self._accumulation_steps} to {value} "
@@ -262,8 +257,8 @@ class Strategy:
 
     @global_accumulation_steps.setter
     def global_accumulation_steps(self, value: int) -> None:
-        _check_count("global_accumulation_steps", value,
-                     "pass the number of micro-batches per optimizer step summed over all "
+        check_int("global_accumulation_steps", value, minimum=1,
+                     fix="pass the number of micro-batches per optimizer step summed over all "
                      "workers, e.g. 8")
         workers = self.num_replicas_in_sync
         if value % workers:
@@ -513,14 +508,10 @@ class Strategy:
         ``on_nonfinite="skip"``, agreed across replicas for synchronous strategies) or
         ``FloatingPointError`` is raised; the gradients are then left unclipped.
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
-                or not (math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}. Fix: "
-                             "pass e.g. max_norm=1.0")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
-                or not norm_type > 0:
-            raise ValueError(f"norm_type must be a number > 0 or float('inf'), got "
-                             f"{norm_type!r}. Fix: pass 2.0 (Euclidean) or float('inf')")
+        check_number("max_norm", max_norm, low=0, low_open=True, finite=True,
+                     fix="pass e.g. max_norm=1.0")
+        check_number("norm_type", norm_type, low=0, low_open=True,
+                     fix="pass 2.0 (Euclidean) or float('inf')")
         prepared = self._require_prepared(model, "clip_grad_norm_")
         request = self._clip_requests.get(id(prepared))
         if request is None:
