@@ -16,18 +16,20 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .validation import check_int
 
-__all__ = ["DistributedLoader"]
+__all__ = ["DistributedLoader", "move_to_device"]
 
 
-def _move(batch: Any, device: torch.device) -> Any:
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or nested list/tuple/dict of them) on ``device``; on the CPU it
+    is returned as is (no copy)."""
     if device.type == "cpu":
         return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_move(b, device) for b in batch)
+        return type(batch)(move_to_device(b, device) for b in batch)
     if isinstance(batch, dict):
-        return {k: _move(v, device) for k, v in batch.items()}
+        return {k: move_to_device(v, device) for k, v in batch.items()}
     return batch
 
 
@@ -148,7 +150,7 @@ class DistributedLoader:
         if self._tensors is not None:
             for idx in batches:
                 self.step_in_epoch += 1
-                yield _move(tuple(t[idx] for t in self._tensors), self.device)
+                yield move_to_device(tuple(t[idx] for t in self._tensors), self.device)
             return
         loader = DataLoader(
             self.dataset,  # type: ignore[arg-type]
@@ -158,4 +160,4 @@ class DistributedLoader:
         )
         for batch in loader:
             self.step_in_epoch += 1
-            yield _move(batch, self.device)
+            yield move_to_device(batch, self.device)

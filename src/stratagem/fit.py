@@ -31,15 +31,13 @@ import torch
 from torch import nn
 
 from .checkpoint import exists as checkpoint_exists
+from .data import DistributedLoader, move_to_device
 from .errors import CheckpointError
-from .strategy import StrategyOptimizer
+from .strategy import Strategy, StrategyOptimizer, register_feature
 from .validation import check_choice, check_int, check_number, check_optional_number
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from .data import DistributedLoader
-    from .strategy import Strategy
 
 __all__ = [
     "fit",
@@ -464,15 +462,13 @@ def _eval_shard(dataset: Any, replica: int, replicas: int) -> tuple[Any, int]:
 
 
 def _eval_batches(shard: Any, batch_size: int, device: torch.device) -> Iterable[Any]:
-    from .data import _move
-
     if isinstance(shard, tuple):
         n = len(shard[0])
         for start in range(0, n, batch_size):
-            yield _move(tuple(t[start:start + batch_size] for t in shard), device)
+            yield move_to_device(tuple(t[start:start + batch_size] for t in shard), device)
         return
     for batch in torch.utils.data.DataLoader(shard, batch_size=batch_size, shuffle=False):
-        yield _move(batch, device)
+        yield move_to_device(batch, device)
 
 
 def _evaluate(strategy: Strategy, model: nn.Module, loss_fn: Callable[..., Any], dataset: Any,
@@ -604,9 +600,9 @@ def fit(
 def _prepared_pair(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer
                    ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``(model, optimizer)`` as ``strategy.prepare`` returns them, preparing if needed."""
-    prepared = strategy._find_prepared(model)
+    prepared = strategy.find_prepared(model, exact=True)
     if isinstance(optimizer, StrategyOptimizer):
-        if optimizer._strategy is not strategy or prepared is None:
+        if optimizer.strategy is not strategy or prepared is None:
             raise ValueError("the optimizer was prepared by another strategy, or the model was "
                              "not prepared with it: pass the model and optimizer that "
                              "strategy.prepare(model, optimizer) returned, or prepare neither")
@@ -786,3 +782,6 @@ def _train(ctx: FitContext, loss_fn: Callable[..., torch.Tensor], *, start_epoch
 
 def _last_row(history: Mapping[str, list[float]]) -> dict[str, float]:
     return {k: v[-1] for k, v in history.items() if v}
+
+
+register_feature("fit", fit)
