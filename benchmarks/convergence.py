@@ -20,7 +20,7 @@ instance that never steps, each time the workers' mean step count crosses a mult
 
 Links: ``lo`` (loopback, workers in the root namespace) and shaped links (``100mbit``,
 ``20mbit``...): each worker in its own network namespace with a veth to a bridge
-(10.77.0.0/24), capped both ways with ``tc tbf`` (see ``benchmarks/netns.py``). The
+(10.77.0.0/24), capped both ways with ``tc tbf`` (see ``stratagem.testing.netns``). The
 TCPStore and the PS shard run in the root namespace on the bridge. Needs root; without it
 only ``lo`` runs.
 
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         return rewrite_from_json(args.from_json, Path(args.out))
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
-    from netns import NetnsUnavailable, Topology, check_netns
+    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "num_parameters": 269_322,
     }
     runs: list[dict[str, Any]] = []
-    topo = Topology(args.workers) if any(link != "lo" for link in links) else None
+    topo = Topology(args.workers, prefix="sgcv") if any(link != "lo" for link in links) else None
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
