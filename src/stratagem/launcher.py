@@ -55,6 +55,7 @@ from typing import Any, cast
 
 from stratagem._rendezvous import is_loopback, loopback_env, loopback_tcp_store
 from stratagem.errors import ParameterServerUnavailable, WorkerError
+from stratagem.validation import check_choice, check_int
 
 __all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker_env",
            "check_nnodes"]
@@ -100,9 +101,8 @@ def child_pythonpath(env: Mapping[str, str]) -> str:
 
 def check_nnodes(nprocs: int, nnodes: int) -> int:
     """Validate ``nnodes`` against ``nprocs`` and return the processes per node."""
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        raise ValueError(f"nnodes must be an int >= 1, got {nnodes!r}; pass e.g. nnodes=2 to "
-                         "simulate two nodes (1, the default, is a single node)")
+    check_int("nnodes", nnodes, minimum=1,
+              fix="pass e.g. nnodes=2 to simulate two nodes (1, the default, is a single node)")
     if nprocs % nnodes:
         raise ValueError(
             f"nprocs must be divisible by nnodes (every node runs the same number of "
@@ -528,18 +528,14 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     parameter-server shards). Each attempt sees its number in ``TORCHELASTIC_RESTART_COUNT``
     (per rank with ``"failed"``). When the budget is spent the failure is raised as above.
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}; pass e.g. nprocs=2")
-    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
-        raise ValueError(f"num_ps must be an int >= 0, got {num_ps!r}; pass 0 for no shards")
+    check_int("nprocs", nprocs, minimum=1, fix="pass e.g. nprocs=2")
+    check_int("num_ps", num_ps, minimum=0, fix="pass 0 for no shards")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}; pass 0 to "
-                         "never restart")
-    if restart not in ("all", "failed"):
-        raise ValueError(f"restart must be 'all' or 'failed', got {restart!r}; 'failed' restarts "
-                         "only the dead worker (async strategies without a process group)")
+    check_int("max_restarts", max_restarts, minimum=0, fix="pass 0 to never restart")
+    check_choice("restart", restart, ("all", "failed"),
+                 fix="'failed' restarts only the dead worker (async strategies without a "
+                     "process group)")
     check_nnodes(nprocs, nnodes)
     _check_picklable_target(fn)
     deadline = None if timeout is None else time.monotonic() + timeout
