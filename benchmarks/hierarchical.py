@@ -60,8 +60,11 @@ NNODES = 2
 STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "mirrored": ("mirrored", {}, False, True),
     "diloco": harness.STRATEGIES["diloco"],
+    # outer_* keywords go to the outer DiLoCo (so DiLoCo's own outer_lr is outer_outer_lr):
+    # the same period and outer optimizer as flat DiLoCo.
     "hierarchical": ("hierarchical", {"inner": "mirrored", "outer": "diloco",
-                                      "period": 16, "outer_lr": 0.7, "outer_momentum": 0.9},
+                                      "outer_period": 16, "outer_outer_lr": 0.7,
+                                      "outer_outer_momentum": 0.9},
                      False, True),
 }
 TARGET_VS = {"mirrored": 0.3, "diloco": 1.0}  # Hierarchical's wall-time targets at 20mbit

@@ -66,3 +66,8 @@ def main(out: str, steps: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    # The report is written and the group released: skip the interpreter's teardown of torch
+    # and gloo (seconds per worker on 2 loaded cores; clean exits are test_clean_exit's topic).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
