@@ -20,7 +20,7 @@ instance that never steps, each time the workers' mean step count crosses a mult
 
 Links: ``lo`` (loopback, workers in the root namespace) and shaped links (``100mbit``,
 ``20mbit``...): each worker in its own network namespace with a veth to a bridge
-(10.77.0.0/24), capped both ways with ``tc tbf`` (see ``benchmarks/netns.py``). The
+(10.77.0.0/24), capped both ways with ``tc tbf`` (see ``stratagem.testing.netns``). The
 TCPStore and the PS shard run in the root namespace on the bridge. Needs root; without it
 only ``lo`` runs.
 
@@ -319,14 +319,21 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
 
 
 def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace,
-             tmp: Path) -> dict[str, Any]:
-    """One job: ``args.workers`` worker processes (in namespaces on a shaped link)."""
+             tmp: Path, *, spec: tuple[str, dict[str, Any], bool, bool] | None = None,
+             nnodes: int | None = None) -> dict[str, Any]:
+    """One job: ``args.workers`` worker processes (in namespaces on a shaped link).
+
+    ``spec`` replaces ``STRATEGIES[key]`` (other benchmarks' tables). ``nnodes=K`` (issue 12,
+    ``benchmarks/hierarchical.py``): K nodes of W/K workers, the workers of a node sharing
+    its namespace, with torchrun's per-node environment; by default every worker has a
+    namespace of its own and the job is one node."""
     from torch.distributed import TCPStore
 
     from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
 
-    name, strategy_args, needs_ps, sync = STRATEGIES[key]
+    name, strategy_args, needs_ps, sync = STRATEGIES[key] if spec is None else spec
     W = args.workers
+    per_node = W // (nnodes or 1)
     host = "127.0.0.1" if topo is None else topo.host_ip
     run_dir = tmp / f"{key}-{link}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -351,15 +358,16 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
         for r in range(W if sync else W + 1):
             env = dict(os.environ)
             env.update(worker_env(rank=r, world_size=W, master_port=store.port,
-                                  master_addr=host,
+                                  master_addr=host, nnodes=nnodes or 1,
                                   ps_addrs=shards.addresses if shards else (), base={}))
             if shards is not None:
                 env.update(shards.env())  # the job's shard token file
             env["OMP_NUM_THREADS"] = "1"
             env["PYTHONPATH"] = child_pythonpath(env)
             if r < W:
-                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(r)
-                argv = [*([] if topo is None else topo.exec_prefix(r)), *script, "--worker"]
+                ns = r if nnodes is None else r // per_node
+                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(ns)
+                argv = [*([] if topo is None else topo.exec_prefix(ns)), *script, "--worker"]
             else:
                 argv = [*script, "--evaluator"]
             log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
@@ -603,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         return rewrite_from_json(args.from_json, Path(args.out))
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
-    from netns import NetnsUnavailable, Topology, check_netns
+    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -652,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "num_parameters": 269_322,
     }
     runs: list[dict[str, Any]] = []
-    topo = Topology(args.workers) if any(link != "lo" for link in links) else None
+    topo = Topology(args.workers, prefix="sgcv") if any(link != "lo" for link in links) else None
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

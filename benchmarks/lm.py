@@ -21,7 +21,7 @@ time the workers' mean step count crosses a multiple of ``--eval-every``; nobody
 the wall clock is the real one (as in ``benchmarks/convergence.py``).
 
 Links: ``lo`` (loopback) and shaped links (``100mbit``, ``20mbit``): every worker in its own
-network namespace behind a veth capped both ways with ``tc tbf`` (``benchmarks/netns.py``);
+network namespace behind a veth capped both ways with ``tc tbf`` (``stratagem.testing.netns``);
 the store and the shard sit on the bridge. Needs root; without it only ``lo`` runs.
 
 Writes ``benchmarks/results/lm.{json,md,png}``. Done-when target (issue 14): DiLoCo reaches
@@ -570,9 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                       Path(args.out))
         return 0
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
-    from netns import NetnsUnavailable, Topology, check_netns
-
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
+    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -617,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_parameters": GPT(GPTConfig(**MODEL)).num_parameters(), "base_notes": notes,
     }
     runs: list[dict[str, Any]] = []
-    topo = Topology(args.workers) if shaped and any(link != "lo" for link in links) else None
+    topo = Topology(args.workers, prefix="sgcv") if shaped and any(link != "lo" for link in links) else None
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import stratagem.launcher as launch_mod
 from stratagem.errors import ParameterServerUnavailable, WorkerError
-from stratagem.launcher import launch, start_ps_shards
+from stratagem.launcher import launch, start_ps_shards, worker_env
 
 CONTRACT = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "EXTRA"]
@@ -37,6 +37,29 @@ def _allreduce(scale: float) -> dict[str, object]:
     dist.all_reduce(t)
     dist.destroy_process_group()
     return {"rank": rank, "sum": t, "env": {k: os.environ.get(k) for k in CONTRACT}}
+
+
+NODE_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK",
+             "STRATAGEM_NNODES"]
+
+
+def _node_sums() -> dict[str, object]:
+    """All-reduce within this worker's node (a group built from the torchrun variables) and
+    across nodes among peers with the same local rank: the sums prove which ranks share a node."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    rank, lws = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
+    nnodes = dist.get_world_size() // lws
+    # new_group is collective over the whole world: every rank creates every group, in order.
+    nodes = [dist.new_group(list(range(n * lws, (n + 1) * lws))) for n in range(nnodes)]
+    peers = [dist.new_group(list(range(lr, dist.get_world_size(), lws))) for lr in range(lws)]
+    inner = torch.tensor([float(rank)])
+    dist.all_reduce(inner, group=nodes[int(os.environ["GROUP_RANK"])])
+    outer = torch.tensor([float(rank)])
+    dist.all_reduce(outer, group=peers[int(os.environ["LOCAL_RANK"])])
+    dist.destroy_process_group()
+    return {"inner": inner.item(), "outer": outer.item(),
+            "env": {k: os.environ.get(k) for k in NODE_VARS}}
 
 
 def _raise_on_rank1() -> int:
@@ -160,6 +183,45 @@ def test_worker_stuck_at_exit_is_killed_and_result_kept(monkeypatch: pytest.Monk
     monkeypatch.setattr(launch_mod, "EXIT_GRACE", 1.0)
     with pytest.warns(UserWarning, match=r"workers \[0\] returned but did not exit"):
         assert launch(_return_then_hang_at_exit, nprocs=1, timeout=30) == [7]
+
+
+@pytest.mark.timeout(90)
+def test_simulated_nodes_get_torchrun_node_env_and_groups() -> None:
+    """Issue 12: nprocs=4, nnodes=2 is two nodes of two, numbered node by node as torchrun does."""
+    out = launch(_node_sums, nprocs=4, nnodes=2, timeout=80)
+    for rank, r in enumerate(out):
+        node, local = divmod(rank, 2)
+        assert r["env"] == {
+            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2",
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default",
+            "NODE_RANK": str(node), "STRATAGEM_NNODES": "2"}, rank
+        # Node 0 holds ranks 0+1, node 1 ranks 2+3; local rank l meets l and l+2 across nodes.
+        assert r["inner"] == [1.0, 5.0][node], (rank, r)
+        assert r["outer"] == [2.0, 4.0][local], (rank, r)
+
+
+def test_worker_env_node_layout_matches_torchrun() -> None:
+    envs = [worker_env(rank=r, world_size=6, master_port=1, nnodes=3, base={}) for r in range(6)]
+    assert [(e["GROUP_RANK"], e["LOCAL_RANK"]) for e in envs] == [
+        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert {e["GROUP_WORLD_SIZE"] for e in envs} == {e["STRATAGEM_NNODES"] for e in envs} == {"3"}
+    single = worker_env(rank=1, world_size=2, master_port=1, base={})
+    assert (single["LOCAL_RANK"], single["LOCAL_WORLD_SIZE"], single["GROUP_RANK"]) == (
+        "1", "2", "0")
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2"):
+        worker_env(rank=2, world_size=2, master_port=1, base={})
+
+
+def test_nnodes_must_divide_nprocs_and_is_checked_before_spawning() -> None:
+    with pytest.raises(ValueError, match=r"nprocs must be divisible by nnodes.*nprocs=5 and "
+                                         r"nnodes=2.*pass nprocs=4"):
+        launch(_hang, nprocs=5, nnodes=2)
+    with pytest.raises(ValueError, match=r"nnodes must be an int >= 1, got 0"):
+        launch(_hang, nprocs=2, nnodes=0)
+    with pytest.raises(ValueError, match=r"nnodes must be an int >= 1, got True"):
+        launch(_hang, nprocs=2, nnodes=True)
 
 
 def test_bad_arguments_name_the_value_and_fix() -> None:

@@ -12,7 +12,8 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.comm import Comm
-from stratagem.strategies.local_sgd import DiLoCo, LocalSGD, _split_fragments
+from stratagem.parts.outer import split_fragments as _split_fragments
+from stratagem.strategies.local_sgd import DiLoCo, LocalSGD
 from stratagem.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,7 +141,7 @@ def test_streaming_diloco_fragments_sync_on_staggered_steps():
     def job(comm):
         strategy = DiLoCo(period=4, fragments=2, outer_lr=0.7, outer_momentum=0.9, comm=comm)
         model, opt = _setup(strategy, model_fn=model_fn)
-        st = strategy._prepared[0].state["diloco"]
+        st = strategy._prepared[0].state["outer_step"]
         states = []
         for batch in _batches(comm.rank, 8):
             _step(strategy, model, opt, batch)
@@ -249,7 +250,7 @@ def test_diloco_checkpoint_holds_outer_params_and_momentum_resumes_exactly(tmp_p
             _step(strategy, model, opt, batch)
         if save_to is not None:
             strategy.save(save_to, model=model, optimizer=opt)
-        st = strategy._prepared[0].state["diloco"]
+        st = strategy._prepared[0].state["outer_step"]
         return _state(strategy, model), [q.clone() for q in st.prev]
 
     def job(comm):
@@ -275,7 +276,7 @@ def test_diloco_checkpoint_holds_outer_params_and_momentum_resumes_exactly(tmp_p
     (LocalSGD, {"warmup_steps": -1}, "warmup_steps must be an int >= 0, got -1"),
     (DiLoCo, {"period": 0}, "period must be an int >= 1, got 0"),
     (DiLoCo, {"outer_lr": 0}, "outer_lr must be a number > 0, got 0"),
-    (DiLoCo, {"outer_momentum": 1.0}, "outer_momentum must be in [0, 1), got 1.0"),
+    (DiLoCo, {"outer_momentum": 1.0}, "outer_momentum must be a number in [0, 1), got 1.0"),
     (DiLoCo, {"fragments": 0}, "fragments must be an int >= 1, got 0"),
     (DiLoCo, {"fragments": 5, "period": 4}, "got fragments=5 > period=4"),
     (DiLoCo, {"pseudo_grad_dtype": "fp8"}, "got 'fp8'"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,7 +26,15 @@ from typing import Any
 import pytest
 
 from stratagem import cli
-from stratagem._rendezvous import is_loopback, loopback_env, loopback_tcp_store
+from stratagem._rendezvous import (
+    bound_tcp_store,
+    interface_of_address,
+    interface_towards,
+    is_loopback,
+    is_wildcard,
+    loopback_env,
+    loopback_tcp_store,
+)
 from stratagem.launcher import launch, worker_env
 
 SRC = str(Path(cli.__file__).resolve().parent.parent)
@@ -191,6 +200,53 @@ def test_loopback_store_binds_loopback_only_and_names_a_busy_port() -> None:
         loopback_tcp_store("0.0.0.0", 0)
 
 
+def test_bound_store_listens_on_its_address_only_and_refuses_wildcards() -> None:
+    """Issue 12: a multi-node store listens on the master address alone (127.0.0.2 stands in
+    for node 0's private address: specific, but not the 127.0.0.1 of the loopback path)."""
+    store = bound_tcp_store("127.0.0.2", 0, timeout=timedelta(seconds=5))
+    try:
+        mine = [a for a, p in _listeners({os.getpid()}).get(os.getpid(), []) if p == store.port]
+        assert mine == ["127.0.0.2"]
+    finally:
+        del store
+    for host in ("0.0.0.0", "::", ""):
+        assert is_wildcard(host)
+        with pytest.raises(ValueError, match=r"must listen on one address.*--master-addr"):
+            bound_tcp_store(host, 0)
+    # 192.0.2.0/24 is TEST-NET-1, documentation only: no interface here holds it.
+    with pytest.raises(OSError, match=r"EADDRNOTAVAIL.*192\.0\.2\.254.*--node-rank 0"):
+        bound_tcp_store("192.0.2.254", 0, timeout=timedelta(seconds=5))
+
+
+def test_interface_lookup() -> None:
+    if not loopback_env({}):
+        pytest.skip("no loopback interface named lo/lo0 on this machine")
+    assert interface_of_address("127.0.0.1") == "lo"
+    assert interface_of_address("192.0.2.254") is None and interface_of_address("::1") is None
+    assert interface_towards("127.0.0.1") == ("127.0.0.1", "lo")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--master-addr", "10.0.0.1"],
+     r"--master-addr 10\.0\.0\.1 is not a loopback address.*single-node.*Fix: omit"),
+    (["--iface", "lo"], r"--iface lo is for jobs on several nodes"),
+    (["--nnodes", "2", "--node-rank", "0"], r"--nnodes 2 needs --master-addr.*got None"),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "0.0.0.0"],
+     r"needs --master-addr.*got '0\.0\.0\.0'.*never on every interface"),
+    (["--nnodes", "2", "--master-addr", "127.0.0.1"], r"needs --node-rank between 0 and 1"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
+     r"needs --node-rank between 0 and 1 \(got 2\)"),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.254"],
+     r"--node-rank 0 hosts.*192\.0\.2\.254.*no interface of this machine"),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--iface", "nosuch9"],
+     r"--iface nosuch9: no such interface"),
+])
+def test_run_refuses_exposed_or_incomplete_addresses(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--nproc", "2", *argv, "t.py"]) == 2
+    assert re.search(message, capsys.readouterr().err, re.S), argv
+
+
 def test_worker_env_pins_collectives_to_loopback_unless_set() -> None:
     if not loopback_env({}):
         pytest.skip("no loopback interface named lo/lo0 on this machine")
@@ -208,8 +264,13 @@ def test_run_uses_the_loopback_torchrun_for_single_node_only() -> None:
     single = cli.torchrun_command(parser.parse_args(["run", "--nproc", "2", "t.py"]))
     assert single[1:3] == ["-m", "stratagem._torchrun"]
     assert single[single.index("--master-addr") + 1] == "127.0.0.1"
-    for argv in (["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1"],
-                 ["--master-addr", "10.0.0.1"], ["--rdzv-backend", "c10d"]):
+    # Issue 12: several nodes with the static rendezvous also bind the store themselves (on
+    # --master-addr only); the c10d backend's store stays torch's (a warning says so).
+    multi = cli.torchrun_command(parser.parse_args(
+        ["run", "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1",
+         "t.py"]))
+    assert multi[1:3] == ["-m", "stratagem._torchrun"]
+    for argv in (["--master-addr", "10.0.0.1"], ["--rdzv-backend", "c10d"]):
         cmd = cli.torchrun_command(parser.parse_args(["run", "--nproc", "2", *argv, "t.py"]))
         assert cmd[1:3] == ["-m", "torch.distributed.run"], argv
     help_text = subprocess.run([sys.executable, "-m", "stratagem.cli", "run", "--help"],

@@ -1,6 +1,6 @@
 """stratagem: distribution strategies for PyTorch.
 
-``import stratagem as sg``; pick a strategy (``sg.Mirrored()``, ``sg.Sharded()``, ``sg.ParameterServer()``,
+``import stratagem as sg``; pick a strategy (``sg.Mirrored()``, ``sg.ParameterServer()``,
 ``sg.ElasticAveraging()``, ``sg.LocalSGD()``, ``sg.DiLoCo()``, ``sg.OneDevice()``), then
 ``scope`` / ``prepare`` / ``distribute_dataset`` / ``backward`` / ``optimizer.step()``.
 Importing has no side effects.
@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Strategy.save / restore / fit / on_preemption are implemented by these modules, which
+# register themselves with stratagem.strategy when imported (see register_feature there).
+from . import checkpoint as _checkpoint  # noqa: F401
+from . import fit as _fit  # noqa: F401
 from .comm import Comm
 from .context import InputContext, ReplicaContext, get_replica_context, get_strategy, has_strategy
 from .errors import (
@@ -22,6 +26,7 @@ from .errors import (
 )
 from .preemption import PREEMPTED_EXIT_CODE
 from .registry import from_env, from_name, strategy_names
+from .registry import lazy_exports as _lazy_exports
 from .strategies.mirrored import Mirrored
 from .strategies.one_device import OneDevice
 from .strategy import ReduceOp, Strategy
@@ -32,11 +37,6 @@ __all__ = [
     "Strategy",
     "OneDevice",
     "Mirrored",
-    "Sharded",
-    "ParameterServer",
-    "ElasticAveraging",
-    "LocalSGD",
-    "DiLoCo",
     "FixedShardsPartitioner",
     "MinSizePartitioner",
     "MaxSizePartitioner",
@@ -60,18 +60,17 @@ __all__ = [
     "CheckpointError",
 ]
 
-# Strategies and helpers whose modules pull in heavier dependencies (gRPC) load on first use.
-_LAZY = {
-    "ParameterServer": ("stratagem.strategies.parameter_server", "ParameterServer"),
-    "ElasticAveraging": ("stratagem.strategies.elastic_average", "ElasticAveraging"),
-    "LocalSGD": ("stratagem.strategies.local_sgd", "LocalSGD"),
-    "DiLoCo": ("stratagem.strategies.local_sgd", "DiLoCo"),
-    "Sharded": ("stratagem.strategies.sharded", "Sharded"),
+# Load on first use: the strategies of the registry's table (one table for sg.<Class> and
+# sg.from_name; a strategy whose module is not installed is simply absent) and helpers whose
+# modules pull in heavier dependencies (gRPC).
+_LAZY: dict[str, tuple[str, str]] = {
+    **_lazy_exports(),
     "FixedShardsPartitioner": ("stratagem.ps.placement", "FixedShardsPartitioner"),
     "MinSizePartitioner": ("stratagem.ps.placement", "MinSizePartitioner"),
     "MaxSizePartitioner": ("stratagem.ps.placement", "MaxSizePartitioner"),
     "launch": ("stratagem.launcher", "launch"),
 }
+__all__ += [name for name in _LAZY if name not in __all__]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,7 @@
 """``python -m stratagem._torchrun ARGS``: torchrun whose static-rendezvous store listens on
-loopback only when ``--master-addr`` is a loopback address (issue 10; how and why in
-:mod:`stratagem._rendezvous`). ``stratagem run`` starts single-node jobs with it.
+``--master-addr`` only — loopback for single-node jobs (issue 10), node 0's address on the
+private network for multi-node jobs (issue 12); how and why in :mod:`stratagem._rendezvous`.
+``stratagem run`` starts every static-rendezvous job with it.
 
 A module of its own, never imported by the package, so ``python -m`` runs it fresh.
 """

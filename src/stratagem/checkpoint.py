@@ -51,7 +51,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
@@ -61,9 +61,8 @@ from torch import nn
 from . import sharded_checkpoint as sharded
 from .data import DistributedLoader
 from .errors import CheckpointError
-
-if TYPE_CHECKING:
-    from .strategy import Strategy
+from .strategy import Strategy, register_feature
+from .validation import check_int
 
 __all__ = ["save", "restore", "exists", "read_extras", "load_model_state", "load_pt",
            "read_safetensors", "FORMAT_VERSION", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH",
@@ -909,30 +908,12 @@ def _fit_module(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: di
     return {keys[name]: t for name, t in filled.items()}
 
 
-def _prepared_of(strategy: Strategy, module: nn.Module) -> Any:
-    """The ``Prepared`` record of ``module``, seeing through ``torch.compile`` wrappers (a model
-    compiled after ``prepare`` still saves the strategy's consensus model, under its names)."""
-    for _ in range(8):
-        prepared = strategy._find_prepared(module)
-        inner = getattr(module, "_orig_mod", None)
-        if prepared is not None or not isinstance(inner, nn.Module):
-            return prepared
-        module = inner
-    return None
-
-
 def _load_into(strategy: Strategy, module: nn.Module, tensors: dict[str, torch.Tensor],
-               aliases: dict[str, str], what: str) -> Any:
-    """Load into a prepared model (every replica, collective) or a plain module; returns the
-    ``Prepared`` record or ``None``."""
-    prepared = _prepared_of(strategy, module)
+               aliases: dict[str, str], what: str) -> None:
+    """Load into a prepared model (every replica, collective) or a plain module."""
+    prepared = strategy.find_prepared(module)
     target = prepared.module if prepared is not None else module
-    state = _fit_module(target, tensors, aliases, what)
-    if prepared is None:
-        module.load_state_dict(state)
-    else:
-        strategy._load_model(prepared, state)
-    return prepared
+    strategy.load_model_state(module, _fit_module(target, tensors, aliases, what))
 
 
 # ---------------------------------------------------------------------- save
@@ -941,8 +922,7 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
     """Collective save; see the module docstring. Returns the version directory written.
     State held in shards (``sg.Sharded``) is written by each replica, see
     :mod:`stratagem.sharded_checkpoint`; ``consolidate=True`` gathers it into the usual files."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    check_int("keep_last", keep_last, minimum=1, fix="pass how many versions to keep, e.g. 2")
     path = _clean_path(path)
     comm = strategy.comm
     files: dict[str, bytes] = {}
@@ -959,17 +939,18 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
                                   "in files named after their keyword, which must match "
                                   f"{_KEY_RE.pattern}. Fix: pass it as e.g. model=...")
         if isinstance(obj, nn.Module):
-            prepared = _prepared_of(strategy, obj)
-            raw = strategy._checkpoint_model(prepared) if prepared is not None else \
-                {k: v.detach() for k, v in obj.state_dict().items()}
-            if sharded.is_sharded(raw) and consolidate:
-                raw = sharded.gather_full(raw)
-            elif sharded.is_sharded(raw):
+            prepared = strategy.find_prepared(obj)
+            raw = strategy.model_state(obj)
+            if sharded.is_sharded(raw) and not consolidate:
                 entry = sharded.save_entry(comm, key, {_clean_name(k): v for k, v in raw.items()},
                                            own, "module", _pack)
-                entry["local_steps"] = prepared.local_steps if prepared is not None else 0
+                if prepared is not None:
+                    entry["local_steps"] = strategy.local_steps(obj)
+                    for k, v in sharded.gather_full(strategy.strategy_state(obj)).items():
+                        strategy_state[f"{key}/{k}"] = v.detach()
                 manifest["objects"][key] = entry
                 continue
+            raw = sharded.gather_full(raw) if sharded.is_sharded(raw) else raw
             tensors: dict[str, torch.Tensor] = {}
             for k, v in raw.items():
                 name = _clean_name(k)
@@ -987,17 +968,17 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
             if prepared is not None:
                 # The local step counter keeps periodic schedules (averaging, elastic
                 # exchange, outer steps) in phase across a resume.
-                manifest["objects"][key]["local_steps"] = prepared.local_steps
-                for k, v in strategy._strategy_state(prepared).items():
+                manifest["objects"][key]["local_steps"] = strategy.local_steps(obj)
+                for k, v in sharded.gather_full(strategy.strategy_state(obj)).items():
                     strategy_state[f"{key}/{k}"] = v.detach()
         elif isinstance(obj, torch.optim.Optimizer):
-            sd = strategy._optimizer_state(obj)
+            sd = strategy.optimizer_state(obj)
             if sharded.is_sharded(sd) and not consolidate:
                 manifest["objects"][key] = sharded.save_entry(comm, key, sd, own, "optimizer", _pack)
                 continue
             sd = sharded.gather_full(sd) if sharded.is_sharded(sd) else sd
             blob = _pack(sd, f"{key} (optimizer state)")
-            if strategy._local_optimizer_state and comm.world_size > 1:
+            if strategy.optimizer_state_is_local and comm.world_size > 1:
                 for r, b in enumerate(comm.all_gather_bytes(blob)):
                     files[f"{key}.rank{r}.safetensors"] = b
                 manifest["objects"][key] = {"kind": "optimizer", "per_rank": comm.world_size}
@@ -1019,10 +1000,10 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
     if extra_tensors:
         files["extra.safetensors"] = _pack(extra_tensors, "the tensor extras")
     manifest["precision"] = strategy.precision.state_dict()
-    manifest["steps"] = strategy._steps
-    step = manifest["extra"].get("step", strategy._steps)
+    manifest["steps"] = strategy.steps
+    step = manifest["extra"].get("step", strategy.steps)
     manifest["step"] = int(step) if isinstance(step, (int, float)) and math.isfinite(step) \
-        else strategy._steps
+        else strategy.steps
     rng = _pack({"torch": torch.get_rng_state(),
                  "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                 "the RNG state")
@@ -1221,15 +1202,14 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
                                       "kind of object that was saved under that name")
             tensors = (_merge_shards(directory, blobs, entry) if "sharded" in entry
                        else _tensors(directory, blobs, entry["file"]))
-            prepared = _prepared_of(strategy, obj)
-            if prepared is not None:
-                prepared.local_steps = int(entry.get("local_steps", prepared.local_steps))
+            if strategy.find_prepared(obj) is not None:
+                strategy.set_local_steps(obj, int(entry.get("local_steps",
+                                                            strategy.local_steps(obj))))
             _load_into(strategy, obj, tensors, entry.get("aliases", {}),
                        str(directory / entry["file"]))
-            if prepared is not None:
-                prefix = f"{key}/"
-                strategy._load_strategy_state(prepared, {k[len(prefix):]: v for k, v in
-                                                         strategy_state.items() if k.startswith(prefix)})
+            prefix = f"{key}/"
+            strategy.load_strategy_state(obj, {k[len(prefix):]: v for k, v in
+                                               strategy_state.items() if k.startswith(prefix)})
         elif isinstance(obj, torch.optim.Optimizer):
             if entry["kind"] != "optimizer":
                 raise CheckpointError(f"checkpoint {directory}: {key!r} is a saved "
@@ -1244,7 +1224,7 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
                 raise CheckpointError(f"{directory / name} holds a {type(opt_state).__name__}, "
                                       f"not an optimizer state dict. {_CORRUPT}")
             try:
-                strategy._load_optimizer_state(obj, opt_state)
+                strategy.load_optimizer_state(obj, opt_state)
             except (KeyError, TypeError, ValueError, IndexError) as exc:
                 raise CheckpointError(
                     f"{directory / name} does not fit the {type(obj).__name__} given ({exc!r:.200}). "
@@ -1264,7 +1244,7 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
     if manifest.get("world_size") == comm.world_size and rng_name in files:
         _set_rng(_unpack(_member(directory, blobs, rng_name), str(directory / rng_name)),
                  str(directory / rng_name))
-    strategy._steps = int(manifest.get("steps", strategy._steps))
+    strategy.steps = int(manifest.get("steps", strategy.steps))
     return result
 
 
@@ -1281,3 +1261,7 @@ def _restore_model_file(strategy: Strategy, file: Path, state: dict[str, Any]) -
     tensors = load_pt(file) if file.suffix in (".pt", ".pth", ".bin") else read_safetensors(file)
     _load_into(strategy, modules[0][1], tensors, {}, str(file))
     return {"step": 0}
+
+
+register_feature("save", save)
+register_feature("restore", restore)

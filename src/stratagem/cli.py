@@ -5,7 +5,11 @@ picks a free port for single-node jobs, optionally starts parameter-server shard
 exports the strategy choice for ``sg.from_env()``, forwards SIGINT/SIGTERM and propagates
 torchrun's exit code. Single-node jobs listen on loopback only (issue 10): torchrun runs as
 ``python -m stratagem._torchrun``, whose agent store binds 127.0.0.1 instead of every
-interface, and the workers' gloo/NCCL sockets are pinned to the loopback interface.
+interface, and the workers' gloo/NCCL sockets are pinned to the loopback interface; a
+non-loopback ``--master-addr`` on one node is refused. Multi-node jobs with the static
+rendezvous (``--nnodes K --node-rank i --master-addr A``, issue 12) listen on the private
+network only: the store on ``A`` alone (node 0), the workers' gloo/NCCL sockets on the interface
+that holds this node's address (derived from the route to ``A``, or ``--iface``).
 Subcommands are registered with :func:`subcommand`; modules behind ``ps``, ``demo`` and
 ``bench`` are imported only when that subcommand runs.
 """
@@ -153,6 +157,12 @@ def _single_node(args: argparse.Namespace) -> bool:
     return args.nnodes in (None, "1", "1:1") and args.rdzv_backend is None
 
 
+def _static_multi_node(args: argparse.Namespace) -> bool:
+    """Several nodes meeting at node 0's store (``--master-addr``), torchrun's static
+    rendezvous: the store is ours to bind (issue 12)."""
+    return not _single_node(args) and args.rdzv_backend is None
+
+
 def _loopback_job(args: argparse.Namespace) -> bool:
     """A single-node job whose rendezvous address is loopback: nothing needs to listen beyond
     it (issue 10)."""
@@ -165,7 +175,9 @@ def torchrun_command(args: argparse.Namespace, *, master_port: int | None = None
     """The torchrun argv for parsed ``stratagem run`` arguments."""
     # Single node: torchrun with its agent store bound to loopback (stratagem._torchrun);
     # torchrun's own store would listen on every interface, unauthenticated.
-    runner = "stratagem._torchrun" if _loopback_job(args) else "torch.distributed.run"
+    # Several nodes (static rendezvous): the same runner binds the store to --master-addr only.
+    ours = _loopback_job(args) or _static_multi_node(args)
+    runner = "stratagem._torchrun" if ours else "torch.distributed.run"
     cmd = [sys.executable, "-m", runner, "--nproc-per-node", str(args.nproc)]
     if _single_node(args):
         # Like --standalone, but with the static rendezvous: a free local port and the store
@@ -195,13 +207,18 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
                    help="parameter-server shard processes to start first (single node)")
     p.add_argument("--nnodes", type=_nnodes, default=None,
                    help="N or MIN:MAX nodes (default 1: everything listens on 127.0.0.1 only). "
-                        "With more than one node the rendezvous store listens on every "
-                        "interface, unauthenticated: see the note below")
-    p.add_argument("--node-rank", type=nonneg_int, default=None)
+                        "With more than one node the rendezvous store listens on "
+                        "--master-addr, unauthenticated: see the note below")
+    p.add_argument("--node-rank", type=nonneg_int, default=None,
+                   help="this node's rank, 0 to N-1 (required with --nnodes N > 1; node 0 "
+                        "hosts the rendezvous store and must hold --master-addr)")
     p.add_argument("--master-addr", default=None,
-                   help="address of node 0's rendezvous store (default 127.0.0.1 on one node; "
-                        "a non-loopback address exposes the store: see the note below)")
+                   help="address of node 0's rendezvous store (default 127.0.0.1 on one node, "
+                        "where any other address is refused; required with several nodes)")
     p.add_argument("--master-port", type=nonneg_int, default=None)
+    p.add_argument("--iface", default=None,
+                   help="network interface for the workers' gloo/NCCL sockets on several nodes "
+                        "(default: the interface this machine uses to reach --master-addr)")
     p.add_argument("--max-restarts", type=nonneg_int, default=None)
     p.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend (c10d...)")
     p.add_argument("--rdzv-endpoint", default=None)
@@ -257,16 +274,99 @@ _RUN_EPILOG = """\
 network exposure: a single-node job (no --nnodes or --nnodes 1, no --rdzv-backend,
 loopback --master-addr) listens on 127.0.0.1 only: the rendezvous store, the workers'
 gloo/NCCL sockets (unless you set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) and the
---num-ps shards. A multi-node job cannot: torchrun's rendezvous store (a c10d TCPStore
-on node 0 at --master-port or --rdzv-endpoint) listens on every interface, and the
-workers' gloo/NCCL sockets on the address the host name resolves to; none of them
-authenticates anyone. Whoever reaches them can read and write rendezvous keys and
-disturb the collectives, and with --rdzv-backend c10d the agents unpickle the state read
-from the store (code execution). Run multi-node jobs only on a private network (cluster
-fabric, VPN, VLAN), firewall the store port and the hosts' ephemeral ports from anything
-outside the job, and set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the private interface.
-Parameter-server shards for several machines: `stratagem ps` with a token (and TLS).
-See docs/reliability.md, "Network exposure"."""
+--num-ps shards; a non-loopback --master-addr on one node is refused. A multi-node job
+(--nnodes N --node-rank R --master-addr A) must be reachable by the other nodes: node 0's
+rendezvous store (a c10d TCPStore at A:--master-port) listens on A only, never 0.0.0.0,
+and the workers' gloo/NCCL sockets on the interface this machine uses to reach A (or
+--iface); none of them authenticates anyone. Whoever reaches them can read and write
+rendezvous keys and disturb the collectives. With --rdzv-backend c10d the store is
+torch's own and listens on every interface, and the agents unpickle the state read from
+it (code execution). Run multi-node jobs only on a private network (cluster fabric, VPN,
+VLAN) and firewall the store port and the hosts' ephemeral ports from anything outside
+the job. Parameter-server shards for several machines: `stratagem ps` with a token (and
+TLS). See docs/reliability.md, "Network exposure"."""
+
+
+def _network_env(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+    """Check the addresses of a job and pin its collectives to the right interface (in
+    ``env``); returns an error message (exit 2) or None. Issue 10 for one node, issue 12 for
+    several."""
+    from stratagem._rendezvous import (
+        interface_env,
+        interface_of_address,
+        interface_towards,
+        is_loopback,
+        is_wildcard,
+        loopback_env,
+    )
+
+    if _single_node(args):
+        if args.iface is not None:
+            return (f"--iface {args.iface} is for jobs on several nodes; a single-node job "
+                    "keeps its collectives on loopback. Fix: drop --iface, or pass --nnodes N "
+                    "--node-rank R --master-addr A")
+        if not _loopback_job(args):
+            return (f"--master-addr {args.master_addr} is not a loopback address, but this is "
+                    "a single-node job (no --nnodes, or --nnodes 1): the rendezvous store would "
+                    "be reachable from the network for nothing. Fix: omit --master-addr (the "
+                    "job then listens on 127.0.0.1 only), or pass --nnodes N --node-rank R for "
+                    "a multi-node job")
+        env.update(loopback_env(env))  # issue 10: gloo/NCCL listen on loopback, not the LAN
+        return None
+    if args.rdzv_backend is not None:
+        print(f"stratagem run: warning: --rdzv-backend {args.rdzv_backend} uses torch's own "
+              "rendezvous store, which listens on EVERY interface, unauthenticated (and the "
+              "c10d backend unpickles what it reads there); prefer the static rendezvous "
+              "(--nnodes N --node-rank R --master-addr A), whose store listens on A only",
+              file=sys.stderr)
+        return None
+    nnodes = int(args.nnodes.split(":")[-1])
+    if args.master_addr is None or is_wildcard(args.master_addr):
+        return (f"--nnodes {args.nnodes} needs --master-addr set to node 0's address on the "
+                f"network the nodes share (got {args.master_addr!r}); the store listens on "
+                "that address only, never on every interface. Fix: e.g. --master-addr 10.0.0.1")
+    if args.node_rank is None or args.node_rank >= nnodes:
+        return (f"--nnodes {args.nnodes} needs --node-rank between 0 and {nnodes - 1} (got "
+                f"{args.node_rank}); node 0 hosts the rendezvous store at --master-addr")
+    if args.node_rank == 0:
+        try:
+            local = is_loopback(args.master_addr) or interface_of_address(
+                socket.gethostbyname(args.master_addr)) is not None
+        except OSError:
+            local = False
+        if not local:
+            return (f"--node-rank 0 hosts the rendezvous store on --master-addr "
+                    f"{args.master_addr}, but no interface of this machine holds that address. "
+                    "Fix: start node 0 on the machine that holds it, or pass that machine's "
+                    "address as --master-addr on every node")
+    if args.iface is not None:
+        names = {name for _, name in socket.if_nameindex()}
+        if args.iface not in names:
+            return (f"--iface {args.iface}: no such interface on this machine (have: "
+                    f"{', '.join(sorted(names))}); pass the interface of the network the "
+                    "nodes share")
+        iface, source = args.iface, None
+        env.update({"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface})
+    else:
+        try:
+            source, found = interface_towards(args.master_addr)
+        except OSError as e:
+            return (f"cannot find a route from this machine to --master-addr "
+                    f"{args.master_addr} ({e}). Fix: check the address, or pass --iface NAME")
+        if found is None:
+            return (f"cannot tell which interface holds {source}, this machine's address "
+                    f"towards --master-addr {args.master_addr}. Fix: pass --iface NAME")
+        iface = found
+        env.update(interface_env(iface, env))
+    if is_loopback(args.master_addr):
+        return None  # several "nodes" on this very machine: nothing leaves it
+    print(f"stratagem run: node {args.node_rank} of {nnodes}: the rendezvous store "
+          f"{'listens' if args.node_rank == 0 else 'is'} on {args.master_addr}:"
+          f"{args.master_port or 29500} only and the workers' gloo/NCCL sockets on "
+          f"{env.get('GLOO_SOCKET_IFNAME', iface)}{f' ({source})' if source else ''}; nothing "
+          "authenticates peers, keep this network private (see stratagem run --help)",
+          file=sys.stderr)
+    return None
 
 
 @subcommand("run", "run a training script on N workers (on top of torchrun)",
@@ -301,10 +401,10 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = child_pythonpath(env)
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's oversubscription banner
-    if _loopback_job(args):
-        from stratagem._rendezvous import loopback_env
-
-        env.update(loopback_env(env))  # issue 10: gloo/NCCL listen on loopback, not the LAN
+    problem = _network_env(args, env)
+    if problem is not None:
+        print(f"stratagem run: error: {problem}", file=sys.stderr)
+        return 2
     if args.strategy:
         env["STRATAGEM_STRATEGY"] = args.strategy
         env["STRATAGEM_STRATEGY_ARGS"] = json.dumps(strategy_args)

@@ -36,7 +36,7 @@ import torch.distributed.nn.functional  # noqa: F401  isort: skip
 from ._rendezvous import is_loopback, loopback_tcp_store
 from .errors import PeerTimeoutError
 
-__all__ = ["Comm", "release_all", "live_backend_threads"]
+__all__ = ["Comm", "NodeGroups", "new_group", "release_all", "live_backend_threads"]
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -129,6 +129,32 @@ class _Heartbeat:
             self._thread.join(timeout=5.0)
 
 
+def new_group(store: dist.Store, rank: int, world_size: int, timeout: float,
+              device: torch.device | None = None) -> dist.ProcessGroup:
+    """A process group of its own over ``store`` (not torch.distributed's default group, and
+    without the default group's help: ``dist.new_group`` needs every rank of the default group
+    to call it, which neither threads in tests nor node groups can promise). Gloo for CPU
+    tensors, plus NCCL for CUDA tensors when ``device`` is a CUDA device. DDP and FSDP need
+    the ``ProcessGroup`` wrapper, not the bare backend, so that is what this returns."""
+    pg = dist.ProcessGroup(store, rank, world_size)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size,
+                                 timedelta(seconds=timeout))
+    gloo_type = dist.ProcessGroup.BackendType.GLOO
+    gloo._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), gloo_type, gloo)
+    default = gloo_type
+    if device is not None and device.type == "cuda":  # pragma: no cover - no CUDA here
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout)
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, opts)
+        nccl._set_sequence_number_for_group()
+        nccl_type = dist.ProcessGroup.BackendType.NCCL
+        pg._register_backend(torch.device("cuda"), nccl_type, nccl)
+        default = nccl_type
+    pg._set_default_backend(default)
+    return pg
+
+
 class Comm:
     """A process group plus the things a training library needs around it.
 
@@ -146,9 +172,22 @@ class Comm:
         store: dist.Store | None = None,
         timeout: float = 60.0,
         heartbeat: bool = True,
+        local_world_size: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if world_size > 1 and group is None:
             raise ValueError(f"a Comm of world_size={world_size} needs a process group")
+        lws = world_size if local_world_size is None else local_world_size
+        if isinstance(lws, bool) or not isinstance(lws, int) or lws < 1 or world_size % lws:
+            raise ValueError(
+                f"local_world_size (processes per node) must be an int >= 1 dividing "
+                f"world_size={world_size}, got {local_world_size!r}. Fix: launch the same "
+                "number of processes on every node (torchrun --nproc-per-node, "
+                "sg.launch(nprocs=N, nnodes=K) with N divisible by K)")
+        #: Processes per node (torchrun's ``LOCAL_WORLD_SIZE``); ranks are laid out node by
+        #: node, as torchrun assigns them: node ``rank // local_world_size``.
+        self.local_world_size = lws
+        self.device = device
         self.group = group
         self.rank = rank
         self.world_size = world_size
@@ -165,8 +204,80 @@ class Comm:
         )
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
+        self._splits = 0
+        self._children: list[Comm] = []
+        self._node_groups: NodeGroups | None = None
         if group is not None:
             _LIVE_COMMS.add(self)
+
+    # ------------------------------------------------------------------ nodes
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def node_rank(self) -> int:
+        """This rank's node (torchrun's ``GROUP_RANK``)."""
+        return self.rank // self.local_world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_world_size
+
+    def split(self, groups: Sequence[Sequence[int]], *, name: str = "split") -> Comm:
+        """Sub-communicators: ``groups`` partitions the ranks of this Comm (every rank in
+        exactly one group); returns a Comm over the group holding this rank, with ranks
+        numbered in the order given. Every rank must call ``split`` with the same ``groups``,
+        in the same order relative to its other splits (each split gets its own store prefix,
+        so heartbeats and gloo addresses of different groups never collide).
+
+        The sub-Comm has its own byte accounting, heartbeat and timeout (this Comm's), and is
+        closed with this Comm."""
+        members = [list(g) for g in groups]
+        flat = sorted(r for g in members for r in g)
+        if flat != list(range(self.world_size)):
+            raise ValueError(
+                f"split groups must partition ranks 0..{self.world_size - 1} (each rank in "
+                f"exactly one group), got {members!r}. Fix: list every rank once")
+        index = next(i for i, g in enumerate(members) if self.rank in g)
+        mine = members[index]
+        self._splits += 1
+        size = len(mine)
+        if size == 1:
+            child = Comm(None, 0, 1, timeout=self.timeout)
+        else:
+            if self.store is None:
+                raise RuntimeError(
+                    "this Comm has no store, so it cannot build sub-groups. Fix: build it with "
+                    "Comm.from_env() or stratagem.testing.run_ranks, or pass store=")
+            store = dist.PrefixStore(f"{name}/{self._splits}/{index}", self.store)
+            group = new_group(dist.PrefixStore("pg", store), mine.index(self.rank), size,
+                              max(self.timeout, 30.0), self.device)
+            child = Comm(group, mine.index(self.rank), size, store=store,
+                         timeout=self.timeout, heartbeat=self._heartbeat is not None,
+                         device=self.device)
+        self._children.append(child)
+        return child
+
+    def node_groups(self, local_world_size: int | None = None) -> NodeGroups:
+        """This rank's node group (the processes of its node) and cross-node group (the
+        processes with the same local rank on every node), built once and cached. Nodes are
+        ``local_world_size`` consecutive ranks (torchrun's layout); by default this Comm's
+        ``local_world_size`` (from ``LOCAL_WORLD_SIZE``)."""
+        lws = self.local_world_size if local_world_size is None else local_world_size
+        if self._node_groups is not None and self._node_groups.local_world_size == lws:
+            return self._node_groups
+        if isinstance(lws, bool) or not isinstance(lws, int) or lws < 1 or self.world_size % lws:
+            raise ValueError(
+                f"local_world_size must be an int >= 1 dividing world_size="
+                f"{self.world_size}, got {lws!r}. Fix: pass the number of processes per node")
+        nodes = self.world_size // lws
+        intra = self.split([list(range(n * lws, (n + 1) * lws)) for n in range(nodes)],
+                           name="node")
+        inter = self.split([list(range(j, self.world_size, lws)) for j in range(lws)],
+                           name="cross")
+        self._node_groups = NodeGroups(intra=intra, inter=inter, local_world_size=lws)
+        return self._node_groups
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -190,7 +301,10 @@ class Comm:
                 store: dist.Store | None = dist.distributed_c10d._get_default_store()
             except Exception:  # noqa: BLE001 - private API; heartbeats are a diagnosis aid only
                 store = None
-            return cls(group, dist.get_rank(), dist.get_world_size(), store=store, timeout=timeout)
+            return cls(group, dist.get_rank(), dist.get_world_size(), store=store, timeout=timeout,
+                       local_world_size=_env_local_world_size(dist.get_world_size(),
+                                                              dist.get_rank()),
+                       device=device)
         rank = int(os.environ["RANK"])
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ["MASTER_PORT"])
@@ -219,7 +333,8 @@ class Comm:
         _DEFAULT_GROUPS_CREATED += 1
         _OWNS_DEFAULT_GROUP = True  # destroyed by the last Comm's close, or by release_all
         group = dist.distributed_c10d._get_default_group()
-        return cls(group, rank, world_size, store=store, timeout=timeout)
+        return cls(group, rank, world_size, store=store, timeout=timeout,
+                   local_world_size=_env_local_world_size(world_size, rank), device=device)
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` first thing in :meth:`close`: for objects holding this Comm's
@@ -240,6 +355,10 @@ class Comm:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+        children, self._children = self._children, []
+        for child in children:
+            child.close()
+        self._node_groups = None
         group, self.group = self.group, None
         _LIVE_COMMS.discard(self)
         if group is not None and _OWNS_DEFAULT_GROUP and dist.is_initialized() \
@@ -441,6 +560,116 @@ def views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Ten
         out.append(flat[offset:offset + n].view(t.shape))
         offset += n
     return out
+
+
+def _env_local_world_size(world_size: int, rank: int) -> int:
+    """Processes per node from torchrun's ``LOCAL_WORLD_SIZE``, checked against ``GROUP_RANK``
+    (node ranks must be laid out node by node, as torchrun does)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    try:
+        lws = int(raw) if raw else world_size
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be an int, got {raw!r}. Fix: launch with "
+                         "torchrun / stratagem run, which set it") from None
+    if lws < 1 or world_size % lws:
+        raise ValueError(f"LOCAL_WORLD_SIZE={lws} does not divide WORLD_SIZE={world_size}: "
+                         "every node must run the same number of processes. Fix: use the same "
+                         "--nproc-per-node on every node")
+    group_rank = os.environ.get("GROUP_RANK", "")
+    if group_rank.isdigit() and int(group_rank) != rank // lws:
+        raise ValueError(f"rank {rank} with LOCAL_WORLD_SIZE={lws} should be on node "
+                         f"{rank // lws}, but GROUP_RANK={group_rank}: ranks are not laid out "
+                         "node by node. Fix: use torchrun's default rank assignment")
+    return lws
+
+
+class NodeGroups:
+    """A rank's node group (``intra``: the processes of its node) and cross-node group
+    (``inter``: the processes with the same local rank on every node), from
+    :meth:`Comm.node_groups`. ``relay()`` is a Comm across nodes for state that is identical
+    within a node (see :class:`RelayComm`)."""
+
+    def __init__(self, *, intra: Comm, inter: Comm, local_world_size: int) -> None:
+        self.intra = intra
+        self.inter = inter
+        self.local_world_size = local_world_size
+        self._relay: RelayComm | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.inter.world_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.inter.rank
+
+    def relay(self) -> RelayComm:
+        if self._relay is None:
+            relay = self._relay = RelayComm(self.intra, self.inter)
+            self.inter.on_close(relay.close)  # the relay holds the cross-node group too
+        return self._relay
+
+
+#: Below this many elements per local rank a relayed all-reduce is not split (the chunks
+#: would be latency-bound): every local rank all-reduces the whole tensor across nodes.
+_RELAY_MIN_CHUNK = 4096
+
+
+class RelayComm(Comm):
+    """A Comm across nodes (rank = node rank, world size = number of nodes) for tensors that
+    are identical on every process of a node (after a Mirrored step, for instance).
+
+    An all-reduce is split into ``local_world_size`` chunks; local rank ``j`` all-reduces
+    chunk ``j`` with its peers on the other nodes, then the node all-gathers the chunks (the
+    reduce-scatter / all-gather split of hierarchical all-reduce, as in HSDP and Horovod's
+    hierarchical allreduce). Each node thus sends one copy of the tensor across nodes, spread
+    over all its processes, instead of one copy per process; the intra-node all-gather runs
+    on the fast local links. Other collectives go to the cross-node group directly (every
+    local rank does the same, small, work).
+
+    Bytes are counted on the two underlying Comms (``intra``: node-local, ``inter``: across
+    nodes); this Comm's own counters stay at zero.
+    """
+
+    def __init__(self, intra: Comm, inter: Comm) -> None:
+        super().__init__(inter.group, inter.rank, inter.world_size, timeout=inter.timeout,
+                         heartbeat=False, device=inter.device)
+        self.intra = intra
+        self.inter = inter
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        local = self.intra.world_size
+        n = tensor.numel()
+        if local == 1 or n < local * _RELAY_MIN_CHUNK:
+            return self.inter.all_reduce(tensor, op)
+        assert tensor.is_contiguous()
+        flat = tensor.view(-1)
+        size = -(-n // local)
+        lo = min(self.intra.rank * size, n)
+        hi = min(lo + size, n)
+        chunk = torch.zeros(size, dtype=tensor.dtype, device=tensor.device)
+        chunk[: hi - lo].copy_(flat[lo:hi])
+        self.inter.all_reduce(chunk, op)
+        for j, part in enumerate(self.intra.all_gather(chunk)):
+            a = min(j * size, n)
+            b = min(a + size, n)
+            flat[a:b].copy_(part[: b - a])
+        return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, nbytes: float | None = None
+                         ) -> torch.futures.Future[torch.Tensor]:
+        raise NotImplementedError("a RelayComm has no asynchronous all-reduce; use all_reduce")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self.inter.broadcast(tensor, src)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.inter.all_gather(tensor)
+
+    def split(self, groups: Sequence[Sequence[int]], *, name: str = "split") -> Comm:
+        raise NotImplementedError("split the underlying Comms, not a RelayComm")
 
 
 def _destroy_default_group() -> None:

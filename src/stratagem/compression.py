@@ -17,6 +17,11 @@ fp32's range and cannot overflow in the cast.
 
 Used by ``Mirrored`` (through its DDP communication hook) and meant for the parameter-server
 push path: both hand a flat gradient and a key to :meth:`ErrorFeedback.compress`.
+
+:data:`KINDS` is the one table of compression kinds in stratagem: every ``compression=``
+keyword (Mirrored, the parameter-server push, DiLoCo's pseudo-gradients, the PS wire) is
+checked with :func:`check_compression` and mapped to its wire dtype with :func:`wire_dtype`,
+so that a new kind is added here once.
 """
 
 from __future__ import annotations
@@ -26,11 +31,50 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["COMPRESSIONS", "CompressionContext", "ErrorFeedback", "compress", "compression_dtype",
-           "decompress"]
+from .validation import describe_choices
 
-#: Wire dtypes of the compressions this module implements.
-COMPRESSIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["KINDS", "COMPRESSIONS", "CompressionContext", "ErrorFeedback", "check_compression",
+           "compress", "compression_dtype", "decompress", "wire_dtype"]
+
+#: Every value a ``compression=`` keyword accepts, and the dtype it puts on the wire
+#: (``None``: no compression, tensors travel in their own dtype).
+KINDS: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+#: The lossy kinds only (``KINDS`` without ``None``), for code that compresses for sure.
+COMPRESSIONS: dict[str, torch.dtype] = {k: v for k, v in KINDS.items()
+                                        if k is not None and v is not None}
+
+
+def check_compression(value: object, *, name: str = "compression",
+                      kinds: tuple[str | None, ...] | None = None) -> str | None:
+    """``value`` if it is a compression kind (a key of :data:`KINDS`, or of the subset
+    ``kinds`` a caller supports); else ``ValueError`` naming the valid kinds and the fix.
+
+    ``name`` is the keyword the user passed (kept in the message so it points at their
+    argument)."""
+    allowed = tuple(KINDS) if kinds is None else kinds
+    unknown = [k for k in allowed if k not in KINDS]
+    if unknown:
+        raise ValueError(f"kinds must be keys of compression.KINDS {list(KINDS)}, got {unknown}")
+    try:
+        ok = value in allowed
+    except TypeError:  # unhashable
+        ok = False
+    if not ok:
+        choices = describe_choices(allowed)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}. Fix: pass "
+                         f"{choices}" + (" (None: full precision)" if None in allowed else ""))
+    return value  # type: ignore[return-value]
+
+
+def wire_dtype(kind: str | None) -> torch.dtype | None:
+    """The dtype ``kind`` sends (``None`` for no compression); ``ValueError`` for an unknown
+    kind."""
+    return KINDS[check_compression(kind)]
 
 
 @dataclass(frozen=True)
@@ -42,12 +86,8 @@ class CompressionContext:
 
 
 def compression_dtype(kind: str) -> torch.dtype:
-    """The wire dtype of ``kind``; raises ``ValueError`` naming the valid kinds."""
-    try:
-        return COMPRESSIONS[kind]
-    except (KeyError, TypeError):
-        raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)} (or None for "
-                         f"none), got {kind!r}") from None
+    """The wire dtype of the lossy ``kind``; raises ``ValueError`` naming the valid kinds."""
+    return COMPRESSIONS[check_compression(kind, kinds=tuple(COMPRESSIONS))]  # type: ignore[index]
 
 
 def compress(tensor: torch.Tensor, kind: str) -> tuple[torch.Tensor, CompressionContext]:

@@ -2,12 +2,16 @@
 
 The scope stack is thread-local so that tests can run several ranks as threads in one
 process, each with its own strategy.
+
+This module is a leaf of the package's import graph: every other module may read the scope,
+so it imports none of them. The strategy used outside any scope (``OneDevice``) is supplied by
+the registry, which knows the strategies, through :func:`set_default_strategy_factory`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,9 +19,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .strategy import Strategy
 
-__all__ = ["get_strategy", "get_replica_context", "has_strategy", "InputContext", "ReplicaContext"]
+__all__ = ["get_strategy", "get_replica_context", "has_strategy", "InputContext", "ReplicaContext",
+           "enter_scope", "enter_replica", "set_default_strategy_factory"]
 
 _local = threading.local()
+_default_factory: Callable[[], Strategy] | None = None
+
+
+def set_default_strategy_factory(factory: Callable[[], Strategy] | None) -> None:
+    """Set what builds the per-thread default strategy that ``get_strategy()`` returns outside
+    any scope (the registry sets a single-process ``OneDevice``). Threads that already built
+    their default keep it."""
+    global _default_factory
+    _default_factory = factory
 
 
 def _stack() -> list[Strategy]:
@@ -29,7 +43,9 @@ def _stack() -> list[Strategy]:
 
 
 @contextmanager
-def _enter_scope(strategy: Strategy) -> Iterator[Strategy]:
+def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
+    """Make ``strategy`` the current one (``get_strategy()``) in this thread until exit. What
+    ``strategy.scope()`` does; scopes nest and must be exited in reverse order."""
     stack = _stack()
     stack.append(strategy)
     try:
@@ -52,11 +68,11 @@ def get_strategy() -> Strategy:
         return stack[-1]
     default = getattr(_local, "default", None)
     if default is None:
-        from .comm import Comm
-        from .strategies.one_device import OneDevice
-
-        # An explicit comm: the implicit default must not warn about a launcher's WORLD_SIZE.
-        default = OneDevice(comm=Comm.single())
+        if _default_factory is None:
+            raise RuntimeError("no strategy scope is active and no default strategy is "
+                               "registered. Fix: import stratagem (its registry supplies the "
+                               "default), or call get_strategy() inside strategy.scope()")
+        default = _default_factory()
         _local.default = default
     return default
 
@@ -97,7 +113,9 @@ def _replica_stack() -> list[ReplicaContext]:
 
 
 @contextmanager
-def _enter_replica(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+def enter_replica(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+    """Make ``ctx`` what ``get_replica_context()`` returns in this thread until exit (what
+    ``strategy.run`` does)."""
     stack = _replica_stack()
     stack.append(ctx)
     try:

@@ -14,18 +14,22 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-__all__ = ["DistributedLoader"]
+from .validation import check_int
+
+__all__ = ["DistributedLoader", "move_to_device"]
 
 
-def _move(batch: Any, device: torch.device) -> Any:
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or nested list/tuple/dict of them) on ``device``; on the CPU it
+    is returned as is (no copy)."""
     if device.type == "cpu":
         return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_move(b, device) for b in batch)
+        return type(batch)(move_to_device(b, device) for b in batch)
     if isinstance(batch, dict):
-        return {k: _move(v, device) for k, v in batch.items()}
+        return {k: move_to_device(v, device) for k, v in batch.items()}
     return batch
 
 
@@ -53,9 +57,8 @@ class DistributedLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
     ) -> None:
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
-                or global_batch_size <= 0:
-            raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+        check_int("global_batch_size", global_batch_size, minimum=1,
+                  fix="pass the batch size summed over all replicas, e.g. 64")
         if global_batch_size % num_replicas:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by the "
@@ -147,7 +150,7 @@ class DistributedLoader:
         if self._tensors is not None:
             for idx in batches:
                 self.step_in_epoch += 1
-                yield _move(tuple(t[idx] for t in self._tensors), self.device)
+                yield move_to_device(tuple(t[idx] for t in self._tensors), self.device)
             return
         loader = DataLoader(
             self.dataset,  # type: ignore[arg-type]
@@ -157,4 +160,4 @@ class DistributedLoader:
         )
         for batch in loader:
             self.step_in_epoch += 1
-            yield _move(batch, self.device)
+            yield move_to_device(batch, self.device)

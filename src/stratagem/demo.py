@@ -125,12 +125,10 @@ _DEMO_RUNS: list[tuple[str, str, dict[str, Any], bool]] = [
 
 
 def _available(name: str) -> bool:
-    import importlib
-
-    from .registry import _NAMES
+    from .registry import strategy_class
 
     try:
-        importlib.import_module(_NAMES[name][0])
+        strategy_class(name)
     except ImportError:
         return False
     return True

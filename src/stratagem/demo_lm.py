@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .validation import check_int
+
 __all__ = ["VOCAB", "VOCAB_SIZE", "CORPUS_MIN_CHARS", "encode", "decode", "corpus_sources",
            "load_corpus", "split_corpus", "windows", "GPTConfig", "GPT", "adamw_param_groups",
            "lr_at", "evaluate_loss", "train_worker", "main"]
@@ -175,9 +177,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an int >= 1, got {value!r}")
+            check_int(f"GPTConfig.{name}", getattr(self, name), minimum=1)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd must be divisible by n_head (heads split the embedding), "
                              f"got n_embd={self.n_embd}, n_head={self.n_head}. Fix: e.g. "

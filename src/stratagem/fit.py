@@ -31,14 +31,13 @@ import torch
 from torch import nn
 
 from .checkpoint import exists as checkpoint_exists
+from .data import DistributedLoader, move_to_device
 from .errors import CheckpointError
-from .strategy import StrategyOptimizer
+from .strategy import Strategy, StrategyOptimizer, register_feature
+from .validation import check_choice, check_int, check_number, check_optional_number
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from .data import DistributedLoader
-    from .strategy import Strategy
 
 __all__ = [
     "fit",
@@ -136,9 +135,8 @@ class ModelCheckpoint(Callback):
     def __init__(self, path: str | os.PathLike[str] | None = None, *,
                  every_n_steps: int | None = None, every_n_epochs: int | None = 1) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+            if value is not None:
+                check_int(name, value, minimum=1, fix=f"pass None (never) or e.g. {name}=1")
         if every_n_steps is None and every_n_epochs is None:
             raise ValueError("ModelCheckpoint with every_n_steps=None and every_n_epochs=None "
                              "would never save; set at least one of them")
@@ -189,12 +187,11 @@ class EarlyStopping(Callback):
 
     def __init__(self, monitor: str = "val_loss", *, patience: int = 0, min_delta: float = 0.0,
                  mode: str = "auto") -> None:
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be an int >= 0, got {patience!r}")
-        if mode not in ("auto", "min", "max"):
-            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
-        if min_delta < 0:
-            raise ValueError(f"min_delta must be >= 0 (the sign follows mode), got {min_delta!r}")
+        check_int("patience", patience, minimum=0,
+                  fix="pass the epochs without improvement to tolerate, e.g. patience=3")
+        check_choice("mode", mode, ("auto", "min", "max"))
+        check_number("min_delta", min_delta, low=0,
+                     fix="pass a magnitude: the direction follows mode")
         self.monitor = monitor
         self.patience = patience
         self.min_delta = float(min_delta)
@@ -465,15 +462,13 @@ def _eval_shard(dataset: Any, replica: int, replicas: int) -> tuple[Any, int]:
 
 
 def _eval_batches(shard: Any, batch_size: int, device: torch.device) -> Iterable[Any]:
-    from .data import _move
-
     if isinstance(shard, tuple):
         n = len(shard[0])
         for start in range(0, n, batch_size):
-            yield _move(tuple(t[start:start + batch_size] for t in shard), device)
+            yield move_to_device(tuple(t[start:start + batch_size] for t in shard), device)
         return
     for batch in torch.utils.data.DataLoader(shard, batch_size=batch_size, shuffle=False):
-        yield _move(batch, device)
+        yield move_to_device(batch, device)
 
 
 def _evaluate(strategy: Strategy, model: nn.Module, loss_fn: Callable[..., Any], dataset: Any,
@@ -513,11 +508,6 @@ def _evaluate(strategy: Strategy, model: nn.Module, loss_fn: Callable[..., Any],
 
 
 # ---------------------------------------------------------------------- fit
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 def _checkpoint_exists(strategy: Strategy, path: str) -> bool:
     """Whether to resume, decided by the chief (which writes the checkpoints) for all."""
     found = 0
@@ -576,13 +566,11 @@ def fit(
     On failure: errors of the strategy propagate unchanged (e.g. ``PeerTimeoutError`` naming
     the peer); the progress bar and metric files are closed first.
     """
-    _check_positive_int("epochs", epochs)
-    _check_positive_int("global_batch_size", global_batch_size)
-    if clip_grad_norm is not None and (
-            isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
-            or not (math.isfinite(clip_grad_norm) and clip_grad_norm > 0)):
-        raise ValueError(f"clip_grad_norm must be None or a finite number > 0, got "
-                         f"{clip_grad_norm!r}. Fix: pass e.g. clip_grad_norm=1.0")
+    check_int("epochs", epochs, minimum=1, fix="pass e.g. epochs=1")
+    check_int("global_batch_size", global_batch_size, minimum=1,
+              fix="pass the batch size summed over all replicas, e.g. 64")
+    check_optional_number("clip_grad_norm", clip_grad_norm, low=0, low_open=True, finite=True,
+                          fix="pass e.g. clip_grad_norm=1.0")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, target) -> loss, got "
                         f"{type(loss_fn).__name__}")
@@ -612,9 +600,9 @@ def fit(
 def _prepared_pair(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer
                    ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``(model, optimizer)`` as ``strategy.prepare`` returns them, preparing if needed."""
-    prepared = strategy._find_prepared(model)
+    prepared = strategy.find_prepared(model, exact=True)
     if isinstance(optimizer, StrategyOptimizer):
-        if optimizer._strategy is not strategy or prepared is None:
+        if optimizer.strategy is not strategy or prepared is None:
             raise ValueError("the optimizer was prepared by another strategy, or the model was "
                              "not prepared with it: pass the model and optimizer that "
                              "strategy.prepare(model, optimizer) returned, or prepare neither")
@@ -794,3 +782,6 @@ def _train(ctx: FitContext, loss_fn: Callable[..., torch.Tensor], *, start_epoch
 
 def _last_row(history: Mapping[str, list[float]]) -> dict[str, float]:
     return {k: v[-1] for k, v in history.items() if v}
+
+
+register_feature("fit", fit)

@@ -9,13 +9,23 @@ reached from other machines. Results come back as bytes written with the standar
 tensors, never shared memory that dies with the worker). The first failure stops every other
 worker (SIGTERM, then SIGKILL after a grace period), so no process outlives the call.
 
-Environment given to every worker (the contract ``Comm.from_env`` relies on)::
+Environment given to every worker (the contract ``Comm.from_env`` relies on), the names and
+values torchrun's agent sets (``torch.distributed.elastic.agent.server.local_elastic_agent``)::
 
-    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
-    TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT=0,
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
+    ROLE_NAME=default, ROLE_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
+    TORCHELASTIC_USE_AGENT_STORE=True, TORCHELASTIC_RESTART_COUNT=0, TORCHELASTIC_MAX_RESTARTS,
+    NODE_RANK (= GROUP_RANK) and STRATAGEM_NNODES (= GROUP_WORLD_SIZE), for clarity,
     OMP_NUM_THREADS=1 (unless set), GLOO_SOCKET_IFNAME=lo and NCCL_SOCKET_IFNAME=lo (unless
     set, and only with a loopback MASTER_ADDR), and with parameter-server shards
     STRATAGEM_PS_ADDRS=host:port,... and STRATAGEM_NUM_PS=K.
+
+Simulated nodes (issue 12): ``launch(fn, nprocs=N, nnodes=K)`` numbers the workers as torchrun
+does on K machines of N/K processes each: worker ``r`` is local rank ``r % (N/K)`` of node
+``r // (N/K)`` (torchrun assigns global ranks node by node, in node-rank order). Only the
+environment differs from one node; every process still runs here and talks over loopback, which
+is what lets tests exercise node groups (``Comm`` sub-groups, ``sg.Hierarchical``) on one machine.
+Real separate network stacks are ``stratagem.testing.netns``'s job.
 """
 
 from __future__ import annotations
@@ -45,8 +55,10 @@ from typing import Any, cast
 
 from stratagem._rendezvous import is_loopback, loopback_env, loopback_tcp_store
 from stratagem.errors import ParameterServerUnavailable, WorkerError
+from stratagem.validation import check_choice, check_int
 
-__all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker_env"]
+__all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker_env",
+           "check_nnodes"]
 
 #: Seconds between SIGTERM and SIGKILL when stopping processes.
 TERMINATE_GRACE = 5.0
@@ -87,19 +99,45 @@ def child_pythonpath(env: Mapping[str, str]) -> str:
     return os.pathsep.join(dict.fromkeys(parts))
 
 
+def check_nnodes(nprocs: int, nnodes: int) -> int:
+    """Validate ``nnodes`` against ``nprocs`` and return the processes per node."""
+    check_int("nnodes", nnodes, minimum=1,
+              fix="pass e.g. nnodes=2 to simulate two nodes (1, the default, is a single node)")
+    if nprocs % nnodes:
+        raise ValueError(
+            f"nprocs must be divisible by nnodes (every node runs the same number of "
+            f"processes, as under torchrun), got nprocs={nprocs} and nnodes={nnodes}; pass "
+            f"nprocs={nnodes * max(1, nprocs // nnodes)} or a nnodes that divides {nprocs}")
+    return nprocs // nnodes
+
+
 def worker_env(*, rank: int, world_size: int, master_port: int,
                master_addr: str = _MASTER_ADDR, ps_addrs: Sequence[str] = (),
-               base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment variables one worker gets (see the module docstring)."""
-    base = os.environ if base is None else base
+               base: Mapping[str, str] | None = None, nnodes: int = 1,
+               max_restarts: int = 0) -> dict[str, str]:
+    """The environment variables one worker gets (see the module docstring).
+
+    With ``nnodes=K`` the ``world_size`` workers form K nodes of ``world_size // K`` processes
+    (``ValueError`` unless K divides ``world_size``), numbered node by node like torchrun's.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    local_world_size = check_nnodes(world_size, nnodes)
+    node_rank, local_rank = divmod(rank, local_world_size)
     env = {
-        "RANK": str(rank), "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nnodes),
+        # One homogeneous role, as torchrun has: role ranks are the global ranks.
+        "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(world_size),
+        "NODE_RANK": str(node_rank), "STRATAGEM_NNODES": str(nnodes),
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         # Older torch reads the attempt number whenever the agent store is used.
         "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
     }
+    base = os.environ if base is None else base
     if "OMP_NUM_THREADS" not in base:
         # N busy processes on a few cores: one intra-op thread each avoids oversubscription.
         env["OMP_NUM_THREADS"] = "1"
@@ -464,14 +502,17 @@ class _Supervisor:
 
 
 def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any, ...] = (),
-           *, timeout: float | None = None, env: Mapping[str, str] | None = None,
-           max_restarts: int = 0, restart: str = "all") -> list[Any]:
+           *, nnodes: int = 1, timeout: float | None = None,
+           env: Mapping[str, str] | None = None, max_restarts: int = 0,
+           restart: str = "all") -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` worker processes; return their results in rank order.
 
     Workers are started with the ``spawn`` method, so ``fn`` must be importable (defined at
     module level of a .py file) and the calling script needs an ``if __name__ == "__main__"``
     guard. With ``num_ps=K``, K parameter-server shards are started first and stopped after.
-    ``env`` adds variables to every worker's environment.
+    ``env`` adds variables to every worker's environment. ``nnodes=K`` simulates K nodes of
+    ``nprocs // K`` processes (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``... as torchrun
+    sets them on each node; ``ValueError`` naming both numbers unless K divides ``nprocs``).
 
     On failure: the first worker to raise, exit non-zero or die by a signal is reported as
     :class:`~stratagem.WorkerError` naming its rank (with its traceback when it raised), after
@@ -487,18 +528,15 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     parameter-server shards). Each attempt sees its number in ``TORCHELASTIC_RESTART_COUNT``
     (per rank with ``"failed"``). When the budget is spent the failure is raised as above.
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}; pass e.g. nprocs=2")
-    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
-        raise ValueError(f"num_ps must be an int >= 0, got {num_ps!r}; pass 0 for no shards")
+    check_int("nprocs", nprocs, minimum=1, fix="pass e.g. nprocs=2")
+    check_int("num_ps", num_ps, minimum=0, fix="pass 0 for no shards")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}; pass 0 to "
-                         "never restart")
-    if restart not in ("all", "failed"):
-        raise ValueError(f"restart must be 'all' or 'failed', got {restart!r}; 'failed' restarts "
-                         "only the dead worker (async strategies without a process group)")
+    check_int("max_restarts", max_restarts, minimum=0, fix="pass 0 to never restart")
+    check_choice("restart", restart, ("all", "failed"),
+                 fix="'failed' restarts only the dead worker (async strategies without a "
+                     "process group)")
+    check_nnodes(nprocs, nnodes)
     _check_picklable_target(fn)
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
@@ -515,7 +553,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
 
         def start(rank: int, attempt: int) -> tuple[BaseProcess, Connection]:
             wenv = worker_env(rank=rank, world_size=nprocs, master_port=port,
-                              ps_addrs=shards.addresses if shards else (), base=base)
+                              ps_addrs=shards.addresses if shards else (), base=base,
+                              nnodes=nnodes, max_restarts=max_restarts)
             if shards is not None:
                 wenv.update(shards.env())  # the shards' token file (issue 11)
             wenv.update(env or {})

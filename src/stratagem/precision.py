@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .validation import check_choice, check_int
+
 __all__ = ["Precision", "PRECISIONS", "Autocast"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -76,12 +78,11 @@ class Precision:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if on_nonfinite not in _NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {_NONFINITE}, got {on_nonfinite!r}")
-        if growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        check_choice("precision", precision, PRECISIONS)
+        check_choice("on_nonfinite", on_nonfinite, _NONFINITE,
+                     fix="'skip' drops a step whose gradients are not finite")
+        check_int("growth_interval", growth_interval, minimum=1,
+                  fix="pass the finite steps before the loss scale grows, e.g. 2000")
         self.precision = precision
         self.device_type = device_type
         self.on_nonfinite = on_nonfinite

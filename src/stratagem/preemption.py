@@ -25,16 +25,19 @@ import contextlib
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Iterable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:
-    from .strategy import Strategy
+from .checkpoint import save
+from .strategy import Strategy, register_feature
+from .validation import check_int
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionCheckpoint"]
+__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionCheckpoint", "on_preemption"]
 
 #: Exit code of a worker that saved a checkpoint because it was preempted (128 + SIGTERM).
 PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)
@@ -57,8 +60,8 @@ class PreemptionCheckpoint:
                  signals: Iterable[int] = (signal.SIGTERM,), exit: bool = True,
                  exit_code: int = PREEMPTED_EXIT_CODE, keep_last: int = 2,
                  **state: Any) -> None:
-        if not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
-            raise ValueError(f"exit_code must be an int in [0, 255], got {exit_code!r}")
+        check_int("exit_code", exit_code, minimum=0, maximum=255,
+                  fix=f"pass a process exit status, e.g. {PREEMPTED_EXIT_CODE}")
         self.strategy = strategy
         self.path = path
         self.signals = tuple(signals)
@@ -69,6 +72,7 @@ class PreemptionCheckpoint:
         self.saved = False
         self._requested = threading.Event()
         self._previous: dict[int, Any] = {}
+        self._hook: RemovableHandle | None = None
         trigger = state.get("optimizer")
         self._trigger_opt: Any = trigger if isinstance(trigger, torch.optim.Optimizer) else None
 
@@ -87,6 +91,19 @@ class PreemptionCheckpoint:
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, handler)
         self._previous.clear()
+
+    def attach(self) -> None:
+        """Check for a requested preemption at the end of every step of the strategy (its
+        step-end hook); idempotent."""
+        if self._hook is None:
+            self._hook = self.strategy.add_step_end_hook(self._at_step_boundary)
+
+    def detach(self) -> None:
+        """Stop checking at step ends and put the previous signal handlers back."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.uninstall()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._requested.is_set():
@@ -107,7 +124,7 @@ class PreemptionCheckpoint:
 
     # ------------------------------------------------------------------ the boundary
     def _at_step_boundary(self, opt: Any) -> None:
-        """Called by the strategy at the end of every optimizer step."""
+        """The strategy's step-end hook (see :meth:`attach`)."""
         if self.saved:
             return
         if self._trigger_opt is not None and opt is not self._trigger_opt \
@@ -121,13 +138,33 @@ class PreemptionCheckpoint:
         if not flag:
             return
         state = {k: (v() if _is_thunk(v) else v) for k, v in self.state.items()}
-        from .checkpoint import save
-
         save(self.strategy, self.path, keep_last=self.keep_last, **state)
         self.saved = True
         if self.exit:
             self.uninstall()
             raise SystemExit(self.exit_code)
+
+
+#: The handler ``on_preemption`` installed last, per strategy (a second call replaces it).
+_ACTIVE: weakref.WeakKeyDictionary[Strategy, PreemptionCheckpoint] = weakref.WeakKeyDictionary()
+
+
+def on_preemption(strategy: Strategy, path: str | os.PathLike[str],
+                  **state: Any) -> PreemptionCheckpoint:
+    """What ``strategy.on_preemption(path, **state)`` runs: replace the strategy's previous
+    handler, install the signal handlers and attach the check to the strategy's step-end
+    hook. Returns the handler."""
+    previous = _ACTIVE.pop(strategy, None)
+    if previous is not None:
+        previous.detach()
+    handler = PreemptionCheckpoint(strategy, path, **state)
+    handler.install()
+    handler.attach()
+    _ACTIVE[strategy] = handler
+    return handler
+
+
+register_feature("on_preemption", on_preemption)
 
 
 def _is_thunk(value: Any) -> bool:

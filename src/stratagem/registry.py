@@ -1,59 +1,123 @@
 """Strategies by name: ``sg.from_name("easgd", period=4)`` and ``sg.from_env()`` (what
-``stratagem run --strategy NAME --strategy-arg k=v`` sets for an unmodified script)."""
+``stratagem run --strategy NAME --strategy-arg k=v`` sets for an unmodified script).
+
+:data:`STRATEGIES` is the one table of strategies: it feeds ``from_name`` /
+``strategy_names`` here and the lazy ``sg.<Class>`` exports of ``stratagem/__init__.py``.
+Adding a strategy is one row. Modules are imported on first use only, so a row whose module
+is not installed yet (a strategy landing from another branch) neither breaks ``import
+stratagem`` nor shows up in ``strategy_names()``; ``from_name`` names what is missing.
+
+The registry also supplies the default strategy that ``sg.get_strategy()`` returns outside
+any scope (a single-process ``OneDevice``): ``context`` is a leaf of the import graph and
+cannot import a strategy itself.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .comm import Comm
+from .context import set_default_strategy_factory
 
 if TYPE_CHECKING:
     from .strategy import Strategy
 
-__all__ = ["from_name", "from_env", "strategy_names", "canonical_name"]
+__all__ = ["StrategyEntry", "STRATEGIES", "from_name", "from_env", "strategy_names",
+           "canonical_name", "is_available", "lazy_exports", "strategy_class"]
 
-# name -> (module, class, preset keyword arguments)
-_NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "one_device": ("stratagem.strategies.one_device", "OneDevice", {}),
-    "mirrored": ("stratagem.strategies.mirrored", "Mirrored", {}),
-    "sharded": ("stratagem.strategies.sharded", "Sharded", {}),
-    "ps-async": ("stratagem.strategies.parameter_server", "ParameterServer", {"mode": "async"}),
-    "ps-sync": ("stratagem.strategies.parameter_server", "ParameterServer", {"mode": "sync"}),
-    "easgd": ("stratagem.strategies.elastic_average", "ElasticAveraging", {"mode": "sync"}),
-    "easgd-async": ("stratagem.strategies.elastic_average", "ElasticAveraging", {"mode": "async"}),
-    "eamsgd": ("stratagem.strategies.elastic_average", "ElasticAveraging", {"momentum": 0.9}),
-    "local_sgd": ("stratagem.strategies.local_sgd", "LocalSGD", {}),
-    "diloco": ("stratagem.strategies.local_sgd", "DiLoCo", {}),
-}
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """One registered strategy: ``sg.<public>`` (None: a preset of a class exported by
+    another row), the registry ``name``, where the class lives, and preset arguments."""
+
+    public: str | None
+    name: str
+    module: str
+    cls: str
+    preset: dict[str, Any] = field(default_factory=dict)
+
+
+#: Every strategy, by registry name; the first row of a class carries its public name.
+STRATEGIES: tuple[StrategyEntry, ...] = (
+    StrategyEntry("OneDevice", "one_device", "stratagem.strategies.one_device", "OneDevice"),
+    StrategyEntry("Mirrored", "mirrored", "stratagem.strategies.mirrored", "Mirrored"),
+    StrategyEntry("ParameterServer", "ps-async", "stratagem.strategies.parameter_server",
+                  "ParameterServer", {"mode": "async"}),
+    StrategyEntry(None, "ps-sync", "stratagem.strategies.parameter_server", "ParameterServer",
+                  {"mode": "sync"}),
+    StrategyEntry("ElasticAveraging", "easgd", "stratagem.strategies.elastic_average",
+                  "ElasticAveraging", {"mode": "sync"}),
+    StrategyEntry(None, "easgd-async", "stratagem.strategies.elastic_average",
+                  "ElasticAveraging", {"mode": "async"}),
+    StrategyEntry(None, "eamsgd", "stratagem.strategies.elastic_average", "ElasticAveraging",
+                  {"momentum": 0.9}),
+    StrategyEntry("LocalSGD", "local_sgd", "stratagem.strategies.local_sgd", "LocalSGD"),
+    StrategyEntry("DiLoCo", "diloco", "stratagem.strategies.local_sgd", "DiLoCo"),
+    # Issue 12 / 13, landing from other branches: listed once their module exists.
+    StrategyEntry("Hierarchical", "hierarchical", "stratagem.strategies.hierarchical",
+                  "Hierarchical"),
+    StrategyEntry("Sharded", "sharded", "stratagem.strategies.sharded", "Sharded"),
+)
+
+_BY_NAME: dict[str, StrategyEntry] = {e.name: e for e in STRATEGIES}
 _ALIASES = {"onedevice": "one_device", "ps": "ps-async", "parameter_server": "ps-async",
             "localsgd": "local_sgd", "local-sgd": "local_sgd", "one-device": "one_device",
             "elastic_averaging": "easgd", "easgd-sync": "easgd"}
 
 
+def is_available(entry: StrategyEntry) -> bool:
+    """Whether ``entry``'s module is installed (found without importing it)."""
+    try:
+        return importlib.util.find_spec(entry.module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
+def lazy_exports() -> dict[str, tuple[str, str]]:
+    """``sg.<public>`` -> (module, class) for every available strategy with a public name."""
+    return {e.public: (e.module, e.cls) for e in STRATEGIES
+            if e.public is not None and is_available(e)}
+
+
 def strategy_names() -> list[str]:
-    """The names ``from_name`` accepts."""
-    return sorted(_NAMES)
+    """The names ``from_name`` accepts (strategies whose module is installed)."""
+    return sorted(e.name for e in STRATEGIES if is_available(e))
 
 
 def canonical_name(name: str) -> str:
     """The registry key for ``name`` (aliases and class names accepted); ``ValueError``
     listing the valid names otherwise."""
     lowered = name.lower()
-    for key, (_, cls, preset) in _NAMES.items():
-        if lowered == cls.lower() and not preset:
-            return key
+    for entry in STRATEGIES:
+        if lowered == entry.cls.lower() and not entry.preset:
+            return entry.name
     key = _ALIASES.get(lowered, lowered)
-    if key not in _NAMES:
+    if key not in _BY_NAME:
         raise ValueError(f"unknown strategy {name!r}; valid names: {', '.join(strategy_names())}")
     return key
 
 
+def strategy_class(name: str) -> type[Strategy]:
+    """The class registered under ``name`` (imported now); ``ValueError`` for an unknown
+    name, ``ImportError`` naming the module for a registered one that is not installed."""
+    entry = _BY_NAME[canonical_name(name)]
+    if not is_available(entry):
+        raise ImportError(f"strategy {entry.name!r} is registered but its module "
+                          f"{entry.module} is not installed in this version of stratagem; "
+                          f"available: {', '.join(strategy_names())}", name=entry.module)
+    return getattr(importlib.import_module(entry.module), entry.cls)  # type: ignore[no-any-return]
+
+
 def from_name(name: str, **kwargs: Any) -> Strategy:
     """Build a strategy from its short name; ``kwargs`` override the preset arguments."""
-    module, cls, preset = _NAMES[canonical_name(name)]
-    strategy_cls = getattr(importlib.import_module(module), cls)
-    return strategy_cls(**{**preset, **kwargs})  # type: ignore[no-any-return]
+    entry = _BY_NAME[canonical_name(name)]
+    return strategy_class(entry.name)(**{**entry.preset, **kwargs})
 
 
 def from_env(default: str = "one_device", **kwargs: Any) -> Strategy:
@@ -68,3 +132,11 @@ def from_env(default: str = "one_device", **kwargs: Any) -> Strategy:
     if not isinstance(env_args, dict):
         raise ValueError(f"STRATAGEM_STRATEGY_ARGS must be a JSON object, got {raw!r}")
     return from_name(name, **{**kwargs, **env_args})
+
+
+def _default_strategy() -> Strategy:
+    # An explicit comm: the implicit default must not warn about a launcher's WORLD_SIZE.
+    return from_name("one_device", comm=Comm.single())
+
+
+set_default_strategy_factory(_default_strategy)

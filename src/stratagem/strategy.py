@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -26,14 +27,51 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .comm import Comm
-from .context import InputContext, ReplicaContext, _enter_replica, _enter_scope
+from .context import InputContext, ReplicaContext, enter_replica, enter_scope
 from .data import DistributedLoader
 from .errors import ReplicaMismatchError
+from .parts.base import Part
 from .precision import Autocast, Precision
+from .validation import check_int, check_number
 
-__all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer"]
+__all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer", "StepEndHook",
+           "register_feature"]
+
+#: Called at the end of every optimizer step that reached an accumulation boundary (applied
+#: or skipped: every replica agreed on it), with the stepping optimizer.
+StepEndHook = Callable[["StrategyOptimizer"], None]
+
+# ---------------------------------------------------------------------- features
+# Strategy.save / restore / fit / on_preemption are conveniences over modules that are built
+# on Strategy's public state protocol (stratagem.checkpoint, stratagem.fit,
+# stratagem.preemption). Those modules import Strategy, so Strategy cannot import them
+# without an import cycle. Instead each registers its entry point here when it is imported,
+# and stratagem/__init__.py imports all three, so the methods work whenever stratagem is
+# imported (which ``import stratagem.<anything>`` does first).
+_FEATURES: dict[str, Callable[..., Any]] = {}
+_FEATURE_MODULES = {"save": "stratagem.checkpoint", "restore": "stratagem.checkpoint",
+                    "fit": "stratagem.fit", "on_preemption": "stratagem.preemption"}
+
+
+def register_feature(name: str, implementation: Callable[..., Any]) -> None:
+    """Plug in what ``Strategy.<name>`` runs: ``implementation(strategy, *args, **kwargs)``.
+    ``name`` is one of ``save``, ``restore``, ``fit``, ``on_preemption``; registering again
+    replaces the previous implementation (a test double, an alternative format)."""
+    if name not in _FEATURE_MODULES:
+        raise ValueError(f"unknown feature {name!r}; features: {sorted(_FEATURE_MODULES)}")
+    _FEATURES[name] = implementation
+
+
+def _feature(name: str) -> Callable[..., Any]:
+    try:
+        return _FEATURES[name]
+    except KeyError:
+        raise RuntimeError(f"Strategy.{name} is implemented by {_FEATURE_MODULES[name]}, which "
+                           f"was not imported. Fix: import stratagem (it imports "
+                           f"{_FEATURE_MODULES[name]})") from None
 
 
 class ReduceOp(str, Enum):
@@ -64,12 +102,6 @@ def _uncompiled(module: nn.Module) -> nn.Module:
             break
         module = inner
     return module
-
-
-def _check_count(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}. Fix: {fix}")
-    return value
 
 
 @dataclass
@@ -124,6 +156,16 @@ class StrategyOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy that prepared this optimizer."""
+        return self._strategy
+
+    @property
+    def prepared(self) -> Prepared:
+        """The ``Prepared`` record of the model this optimizer trains."""
+        return self._prepared
+
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         if closure is not None:
             raise TypeError("a closure is not supported by strategy optimizers: call "
@@ -177,6 +219,13 @@ class Strategy:
     _local_optimizer_state = False
     #: Short name, also the one ``Strategy.from_name`` accepts.
     name = "strategy"
+    #: Where ``Hierarchical`` accepts this strategy: "inner" (synchronises the processes of a
+    #: node every step), "outer" (synchronises across nodes, from its parts).
+    _hierarchy_roles: tuple[str, ...] = ()
+    #: As an inner strategy: True when every process of the group holds the whole, identical
+    #: model after each step (so one copy per node needs to cross nodes); False for sharded
+    #: models (each process holds its shard, synchronised with its peers on other nodes).
+    _replicates_model = True
 
     def __init__(
         self,
@@ -197,14 +246,14 @@ class Strategy:
                 f"workers), not both; got accumulation_steps={accumulation_steps!r} and "
                 f"global_accumulation_steps={global_accumulation_steps!r}. Fix: drop one")
         if accumulation_steps is not None:
-            _check_count("accumulation_steps", accumulation_steps,
-                         "pass the number of micro-batches per optimizer step, e.g. 4")
+            check_int("accumulation_steps", accumulation_steps, minimum=1,
+                         fix="pass the number of micro-batches per optimizer step, e.g. 4")
         if global_accumulation_steps is not None:
-            _check_count("global_accumulation_steps", global_accumulation_steps,
-                         "pass the number of micro-batches per optimizer step summed over all "
+            check_int("global_accumulation_steps", global_accumulation_steps, minimum=1,
+                         fix="pass the number of micro-batches per optimizer step summed over all "
                          "workers, e.g. 8")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_number("timeout", timeout, low=0, low_open=True,
+                     fix="pass the seconds a peer may stay silent, e.g. timeout=60")
         self.device = torch.device(device) if device is not None else _default_device()
         self.timeout = float(timeout)
         self._prepared: list[Prepared] = []
@@ -214,7 +263,10 @@ class Strategy:
         self.precision = Precision(precision, device_type=self.device.type,
                                    on_nonfinite=on_nonfinite, growth_interval=growth_interval,
                                    init_scale=init_scale)
-        self.comm = comm if comm is not None else self._comm_from_env()
+        # Joined on first use, so that a strategy built only as configuration (the inner and
+        # outer strategies of Hierarchical) never joins the job's process group itself.
+        self._comm: Comm | None = comm
+        self._parts: list[Part] | None = None
         if global_accumulation_steps is not None:
             self.global_accumulation_steps = global_accumulation_steps
         elif accumulation_steps is not None:
@@ -227,11 +279,43 @@ class Strategy:
         self._unscaled: set[int] = set()
         self._clip_requests: dict[int, _ClipRequest] = {}
         self._clip_nonfinite: dict[int, bool] = {}
-        # Issue 6 (preemption): set by on_preemption, checked at the end of every step.
-        self._preemption: Any = None
+        # Called at the end of every step (add_step_end_hook): preemption checkpoints.
+        # An OrderedDict: RemovableHandle holds it by weak reference (a plain dict cannot be).
+        self._step_end_hooks: OrderedDict[int, StepEndHook] = OrderedDict()
 
     def _comm_from_env(self) -> Comm:
         return Comm.from_env(timeout=self.timeout, device=self.device)
+
+    @property
+    def comm(self) -> Comm:
+        """This strategy's communicator (the job's, from the environment, unless ``comm=``
+        was given); joined on first use."""
+        if self._comm is None:
+            self._comm = self._comm_from_env()
+        return self._comm
+
+    # ------------------------------------------------------------------ parts
+    def _build_parts(self, comm: Comm) -> list[Part]:
+        """The synchronisation parts this strategy is made of, over ``comm``, in the order
+        their hooks run (see :mod:`stratagem.parts`). Strategies override this; ``Hierarchical``
+        calls its inner and outer strategies' ``_build_parts`` with a node's Comm and a Comm
+        across nodes."""
+        return []
+
+    def _hierarchy_parts(self, comm: Comm) -> list[Part]:
+        """The parts this strategy contributes as ``Hierarchical``'s inner or outer strategy,
+        over ``comm`` (a node's Comm, or one across nodes): its own parts by default."""
+        return self._build_parts(comm)
+
+    @property
+    def parts(self) -> list[Part]:
+        """The parts this strategy runs (built on first use over :attr:`comm`)."""
+        if self._parts is None:
+            parts = self._build_parts(self.comm)
+            for part in parts:
+                part.attach(self)
+            self._parts = parts
+        return self._parts
 
     # ------------------------------------------------------------------ accumulation
     @property
@@ -242,8 +326,8 @@ class Strategy:
 
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
-        _check_count("accumulation_steps", value,
-                     "pass the number of micro-batches per optimizer step, e.g. 4")
+        check_int("accumulation_steps", value, minimum=1,
+                     fix="pass the number of micro-batches per optimizer step, e.g. 4")
         if self._accumulating():
             raise RuntimeError(
                 f"cannot change accumulation_steps from {self._accumulation_steps} to {value} "
@@ -262,8 +346,8 @@ class Strategy:
 
     @global_accumulation_steps.setter
     def global_accumulation_steps(self, value: int) -> None:
-        _check_count("global_accumulation_steps", value,
-                     "pass the number of micro-batches per optimizer step summed over all "
+        check_int("global_accumulation_steps", value, minimum=1,
+                     fix="pass the number of micro-batches per optimizer step summed over all "
                      "workers, e.g. 8")
         workers = self.num_replicas_in_sync
         if value % workers:
@@ -295,7 +379,7 @@ class Strategy:
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
         """Inside, ``sg.get_strategy()`` returns this strategy."""
-        with _enter_scope(self):
+        with enter_scope(self):
             yield self
 
     def autocast(self) -> Autocast:
@@ -398,35 +482,59 @@ class Strategy:
             self.comm.broadcast_coalesced([t.data for t in state], src=0)
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
+        bare = _uncompiled(module)
+        for part in self.parts:
+            module = part.wrap_model(module, bare)
         return module
 
     def _setup(self, prepared: Prepared) -> None:
         """Called once per prepared model, after rank 0's state was broadcast."""
+        for part in self.parts:
+            part.setup(prepared)
 
     def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
         """Whether the next forward/backward should communicate gradients (accumulation)."""
+        for part in self.parts:
+            part.set_grad_sync(prepared, enabled)
 
     def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
         opt.optimizer.step()
 
     def _after_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
-        """The strategy's synchronisation after a real (non-skipped) optimizer step."""
+        """The strategy's synchronisation after a real (non-skipped) optimizer step: each
+        part's, in order."""
+        for part in self.parts:
+            part.after_update(prepared)
 
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
-        """The model users should keep, under the module's own names (collective)."""
-        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+        """The model users should keep, under the module's own names (collective): the
+        module's state with each part's consensus values."""
+        state = prepared.module.state_dict(keep_vars=True)
+        # Outermost part first: it picks the values to keep (the outer parameters, an
+        # average); an inner part then turns them into whole tensors (a sharded inner part
+        # gathers its shards).
+        for part in reversed(self.parts):
+            state = part.consensus(prepared, state)
+        return {k: v.detach() for k, v in state.items()}
 
     def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         """Load a checkpointed model into every replica (collective)."""
         prepared.module.load_state_dict(state)
+        for part in self.parts:
+            part.loaded(prepared)
 
     def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         """Extra per-strategy tensors to checkpoint (center, outer momentum...)."""
-        return {}
+        out: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            out.update(part.extra_state(prepared))
+        return out
 
     def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         """Restore what ``_strategy_state`` returned (keys may be missing: another strategy
         wrote the checkpoint)."""
+        for part in self.parts:
+            part.load_extra_state(prepared, state)
 
     def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         """This replica's optimizer state for a checkpoint (a parameter-server strategy reads
@@ -445,7 +553,14 @@ class Strategy:
         replica: for some strategies it is a collective (LocalSGD averages). A model that was
         not prepared by this strategy is returned unchanged."""
         prepared = self._find_prepared(model)
-        return prepared.module if prepared is not None else model
+        if prepared is None:
+            return model
+        if all(part.replicated for part in self.parts):
+            return prepared.module
+        copy_ = self._eval_copy(prepared)
+        with torch.no_grad():
+            copy_.load_state_dict(self._checkpoint_model(prepared))
+        return copy_
 
     def finalize(self, model: nn.Module) -> None:
         """One last synchronisation, so that the consensus model (``eval_model``, ``save``)
@@ -461,7 +576,9 @@ class Strategy:
         self._finalize(prepared)
 
     def _finalize(self, prepared: Prepared) -> None:
-        """Strategies with local steps override this (see :meth:`finalize`)."""
+        """Each part's last synchronisation, in order (see :meth:`finalize`)."""
+        for part in self.parts:
+            part.finalize(prepared)
 
     def _require_prepared(self, model: nn.Module, what: str) -> Prepared:
         prepared = self._find_prepared(model)
@@ -488,7 +605,10 @@ class Strategy:
         ``metrics()`` reads it."""
 
     def _extra_metrics(self) -> dict[str, Any]:
-        return {}
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.metrics())
+        return out
 
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(self, model: nn.Module, max_norm: float,
@@ -513,14 +633,10 @@ class Strategy:
         ``on_nonfinite="skip"``, agreed across replicas for synchronous strategies) or
         ``FloatingPointError`` is raised; the gradients are then left unclipped.
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
-                or not (math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}. Fix: "
-                             "pass e.g. max_norm=1.0")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
-                or not norm_type > 0:
-            raise ValueError(f"norm_type must be a number > 0 or float('inf'), got "
-                             f"{norm_type!r}. Fix: pass 2.0 (Euclidean) or float('inf')")
+        check_number("max_norm", max_norm, low=0, low_open=True, finite=True,
+                     fix="pass e.g. max_norm=1.0")
+        check_number("norm_type", norm_type, low=0, low_open=True,
+                     fix="pass 2.0 (Euclidean) or float('inf')")
         prepared = self._require_prepared(model, "clip_grad_norm_")
         request = self._clip_requests.get(id(prepared))
         if request is None:
@@ -642,10 +758,21 @@ class Strategy:
             prepared.local_steps += 1
             self._steps += 1
             self._after_update(prepared, opt)
-        # Issue 6: the step boundary is where a preemption checkpoint is consistent (a
-        # skipped step is a boundary too: every replica agreed to skip it).
-        if self._preemption is not None:
-            self._preemption._at_step_boundary(opt)
+        # The step boundary is where a checkpoint is consistent (a skipped step is a
+        # boundary too: every replica agreed to skip it); preemption hooks in here.
+        for hook in list(self._step_end_hooks.values()):
+            hook(opt)
+
+    def add_step_end_hook(self, hook: StepEndHook) -> RemovableHandle:
+        """Call ``hook(optimizer)`` at the end of every optimizer step that reached an
+        accumulation boundary, applied or skipped, on every replica (the point where model,
+        optimizer, loader position and RNG are consistent, so a checkpoint taken there is
+        resumable). Hooks run in the order added; ``handle.remove()`` detaches one. A hook may
+        run collectives: every replica reaches the boundary of the same step.
+        ``on_preemption`` is built on this."""
+        handle = RemovableHandle(self._step_end_hooks)
+        self._step_end_hooks[handle.id] = hook
+        return handle
 
     def _describe_nonfinite(self, opt: StrategyOptimizer) -> str:
         names = opt._prepared.param_names
@@ -662,7 +789,7 @@ class Strategy:
     # ------------------------------------------------------------------ replica functions
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Run ``fn(*args, **kwargs)`` in replica context (``sg.get_replica_context()``)."""
-        with _enter_scope(self), _enter_replica(ReplicaContext(self)):
+        with enter_scope(self), enter_replica(ReplicaContext(self)):
             return fn(*args, **(kwargs or {}))
 
     def reduce(self, op: Any, value: Any) -> Any:
@@ -761,29 +888,117 @@ class Strategy:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | os.PathLike[str], **state: Any) -> None:
-        """Write a checkpoint directory atomically (collective: call on every replica)."""
-        from .checkpoint import save
-
-        save(self, path, **state)
+        """Write a checkpoint directory atomically (collective: call on every replica); see
+        :func:`stratagem.checkpoint.save`."""
+        _feature("save")(self, path, **state)
 
     def restore(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
-        """Load a checkpoint into the given objects; returns the remaining saved state."""
-        from .checkpoint import restore
-
-        return restore(self, path, **state)
+        """Load a checkpoint into the given objects; returns the remaining saved state; see
+        :func:`stratagem.checkpoint.restore`."""
+        return _feature("restore")(self, path, **state)  # type: ignore[no-any-return]
 
     def on_preemption(self, path: str | os.PathLike[str], **state: Any) -> Any:
         """Issue 6: on SIGTERM, save ``state`` to ``path`` at the next step boundary (agreed
         across replicas) and exit with ``stratagem.preemption.PREEMPTED_EXIT_CODE``; returns
-        the :class:`~stratagem.preemption.PreemptionCheckpoint` (see that module)."""
-        from .preemption import PreemptionCheckpoint
+        the :class:`~stratagem.preemption.PreemptionCheckpoint` (see that module). A second
+        call replaces the first handler."""
+        return _feature("on_preemption")(self, path, **state)
 
-        if self._preemption is not None:
-            self._preemption.uninstall()
-        handler = PreemptionCheckpoint(self, path, **state)
-        handler.install()
-        self._preemption = handler
-        return handler
+    # ------------------------------------------------------------------ state protocol
+    # What code outside the strategy (stratagem.checkpoint, stratagem.fit, stratagem.
+    # preemption, a user's own saver) reads and writes. Each method calls the private hook a
+    # strategy overrides (_checkpoint_model, _load_model, _strategy_state, ...); the hooks
+    # keep their names and signatures. Lightning's Strategy.get_optimizer_state /
+    # load_model_state_dict are the model.
+    def find_prepared(self, model: nn.Module, *, exact: bool = False) -> Prepared | None:
+        """The :class:`Prepared` record of ``model`` (the wrapped model ``prepare`` returned,
+        the user's module, or the object passed to ``prepare``), or None when this strategy
+        did not prepare it. Unless ``exact``, ``torch.compile`` wrappers applied after
+        ``prepare`` are seen through (a checkpoint of a model compiled later still saves the
+        strategy's consensus model)."""
+        for _ in range(8):
+            prepared = self._find_prepared(model)
+            inner = getattr(model, "_orig_mod", None)
+            if prepared is not None or exact or not isinstance(inner, nn.Module):
+                return prepared
+            model = inner
+        return None
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model to keep, under the module's own parameter names: the consensus for
+        strategies with local steps (the average, the outer or center parameters, the global
+        model of a parameter server). A collective for some strategies: call it on every
+        replica. A module this strategy did not prepare gives its own ``state_dict``."""
+        prepared = self.find_prepared(model)
+        if prepared is None:
+            return {k: v.detach() for k, v in model.state_dict().items()}
+        return self._checkpoint_model(prepared)
+
+    def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` (names as :meth:`model_state` gives them) into ``model`` on every
+        replica, and into the strategy's own copies of it (center, outer parameters, shards).
+        A collective for some strategies. A module this strategy did not prepare is loaded
+        with ``load_state_dict``."""
+        prepared = self.find_prepared(model)
+        if prepared is None:
+            model.load_state_dict(state)
+        else:
+            self._load_model(prepared, state)
+
+    def strategy_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Tensors the strategy keeps for ``model`` besides the model itself (DiLoCo's outer
+        momentum, EASGD's center, ...), to checkpoint next to it; empty for an unprepared
+        model."""
+        prepared = self.find_prepared(model)
+        return {} if prepared is None else self._strategy_state(prepared)
+
+    def load_strategy_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`strategy_state` returned; missing keys are allowed (another
+        strategy wrote the checkpoint). Ignored for an unprepared model."""
+        prepared = self.find_prepared(model)
+        if prepared is not None:
+            self._load_strategy_state(prepared, state)
+
+    def local_steps(self, model: nn.Module) -> int:
+        """Optimizer steps applied to ``model`` on this replica (the phase of periodic
+        synchronisations, kept across a resume); 0 for an unprepared model."""
+        prepared = self.find_prepared(model)
+        return 0 if prepared is None else prepared.local_steps
+
+    def set_local_steps(self, model: nn.Module, steps: int) -> None:
+        """Set the counter :meth:`local_steps` reads (a restore puts the schedule back in
+        phase). Ignored for an unprepared model."""
+        check_int("steps", steps, minimum=0, fix="pass the saved local step count")
+        prepared = self.find_prepared(model)
+        if prepared is not None:
+            prepared.local_steps = steps
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This replica's optimizer state for a checkpoint (a parameter-server strategy reads
+        it from the shards, so this can be a collective)."""
+        return self._optimizer_state(optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        """Load what :meth:`optimizer_state` returned (into the shards for a parameter
+        server)."""
+        self._load_optimizer_state(optimizer, state)
+
+    @property
+    def optimizer_state_is_local(self) -> bool:
+        """True when each replica holds optimizer state of its own (LocalSGD, DiLoCo, EASGD):
+        a checkpoint then saves one optimizer state per rank."""
+        return bool(self._local_optimizer_state)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps applied so far on this replica (skipped steps not counted); set by
+        a restore."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._steps = check_int("steps", value, minimum=0, fix="pass the saved step count")
 
     def _find_prepared(self, model: nn.Module) -> Prepared | None:
         for p in self._prepared:
@@ -801,15 +1016,17 @@ class Strategy:
     # ------------------------------------------------------------------ fit
     def fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any],
             dataset: Any, *, epochs: int, global_batch_size: int, **kwargs: Any) -> dict[str, list[float]]:
-        """Train with the same methods a custom loop uses; returns a history dict."""
-        from .fit import fit
-
-        return fit(self, model, optimizer, loss_fn, dataset, epochs=epochs,
-                   global_batch_size=global_batch_size, **kwargs)
+        """Train with the same methods a custom loop uses; returns a history dict; see
+        :func:`stratagem.fit.fit`."""
+        return _feature("fit")(self, model, optimizer, loss_fn, dataset,  # type: ignore[no-any-return]
+                               epochs=epochs, global_batch_size=global_batch_size, **kwargs)
 
     def close(self) -> None:
         """Release background resources (heartbeat thread, parameter-server channels)."""
-        self.comm.close()
+        for part in self._parts or []:
+            part.close()
+        if self._comm is not None:
+            self._comm.close()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -27,17 +27,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..comm import Comm
 from ..comm import flatten as _flatten
 from ..comm import views as _views
+from ..parts import ElasticExchange, Part
+from ..parts.elastic import elastic_exchange_, make_center
+from ..parts.tensors import dtype_groups as _dtype_groups
+from ..parts.tensors import gather_ranks as _gather_ranks
+from ..parts.tensors import load_rank as _load_rank
+from ..parts.tensors import synced_tensors as _synced_tensors
 from ..ps.addresses import shard_addresses
 from ..strategy import Prepared, Strategy, StrategyOptimizer
-from .local_sgd import (
-    _check_int,
-    _dtype_groups,
-    _gather_ranks,
-    _load_rank,
-    _synced_tensors,
-)
+from ..validation import check_bool, check_choice, check_int, check_number, check_optional_number
 
 if TYPE_CHECKING:
     from ..ps.client import PSClient, ShardedParameters
@@ -130,35 +131,31 @@ class ElasticAveraging(Strategy):
     """
 
     name = "easgd"
+    _hierarchy_roles = ("outer",)
     _local_optimizer_state = True
 
     def __init__(self, *, period: int = 10, moving_rate: float | None = None, beta: float = 0.9,
                  rho: float = 0.0, momentum: float = 0.0, mode: str = "sync",
                  average_buffers: bool = True, wait_for_all: bool = False,
                  ps_addresses: str | Sequence[str] | None = None, **common: Any) -> None:
-        self.period = _check_int("period", period, 1,
-                                 "pass the number of local steps between elastic exchanges, "
-                                 "e.g. period=10")
-        if moving_rate is not None and not _in_range(moving_rate, 0.0, 1.0, low_open=True):
-            raise ValueError(f"moving_rate must be a number in (0, 1], got {moving_rate!r}. "
-                             "Fix: pass e.g. moving_rate=0.05, or omit it for "
-                             "beta / (period * num_workers)")
-        if not _in_range(beta, 0.0, float("inf"), low_open=True):
-            raise ValueError(f"beta must be a number > 0, got {beta!r}. Fix: pass e.g. beta=0.9 "
-                             "(the paper's value)")
-        if not _in_range(rho, 0.0, float("inf")):
-            raise ValueError(f"rho must be a number >= 0, got {rho!r}. Fix: pass 0 (no elastic "
-                             "penalty in the gradient) or e.g. rho=moving_rate / lr")
-        if not _in_range(momentum, 0.0, 1.0, high_open=True):
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}. Fix: pass 0 (EASGD) "
-                             "or e.g. momentum=0.9 (EAMSGD)")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}. Fix: pass "
-                             "mode='sync' (center replicated) or mode='async' (center on "
-                             "parameter-server shards)")
-        for flag, value in (("average_buffers", average_buffers), ("wait_for_all", wait_for_all)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        self.period = check_int("period", period, minimum=1,
+                                fix="pass the number of local steps between elastic exchanges, "
+                                    "e.g. period=10")
+        check_optional_number("moving_rate", moving_rate, low=0.0, high=1.0, low_open=True,
+                              fix="pass e.g. moving_rate=0.05, or omit it for "
+                                  "beta / (period * num_workers)")
+        check_number("beta", beta, low=0.0, low_open=True,
+                     fix="pass e.g. beta=0.9 (the paper's value)")
+        check_number("rho", rho, low=0.0,
+                     fix="pass 0 (no elastic penalty in the gradient) or e.g. "
+                         "rho=moving_rate / lr")
+        check_number("momentum", momentum, low=0.0, high=1.0, high_open=True,
+                     fix="pass 0 (EASGD) or e.g. momentum=0.9 (EAMSGD)")
+        check_choice("mode", mode, _MODES,
+                     fix="pass mode='sync' (center replicated) or mode='async' (center on "
+                         "parameter-server shards)")
+        check_bool("average_buffers", average_buffers)
+        check_bool("wait_for_all", wait_for_all)
         addresses: list[str] = []
         if mode == "async":
             addresses = shard_addresses(ps_addresses, who="ElasticAveraging(mode='async')")
@@ -167,15 +164,10 @@ class ElasticAveraging(Strategy):
                              f"{ps_addresses!r} with mode={mode!r}. Fix: drop ps_addresses or "
                              "pass mode='async'")
         super().__init__(**common)
-        if moving_rate is None:
-            moving_rate = beta / (self.period * self.num_replicas_in_sync)
-            if moving_rate > 1.0:
-                raise ValueError(
-                    f"the default moving_rate = beta / (period * num_workers) = {beta} / "
-                    f"({self.period} * {self.num_replicas_in_sync}) = {moving_rate:g} is above "
-                    "1. Fix: lower beta, or pass moving_rate in (0, 1]")
-        self.moving_rate = float(moving_rate)
+        self._moving_rate = None if moving_rate is None else float(moving_rate)
         self.beta = float(beta)
+        if self._comm is not None:
+            _ = self.moving_rate  # an explicit comm: check the default rate now
         self.rho = float(rho)
         self.momentum = float(momentum)
         self.mode = mode
@@ -187,6 +179,39 @@ class ElasticAveraging(Strategy):
         self._synchronous_step = mode == "sync"
         self._client: PSClient | None = None
         self._exchanges = 0
+
+    @property
+    def moving_rate(self) -> float:
+        """The elastic rate ``alpha``: as given, else ``beta / (period * num_workers)``
+        (computed on first use, when the number of workers is known)."""
+        if self._moving_rate is None:
+            self._moving_rate = self._default_moving_rate(self.num_replicas_in_sync)
+        return self._moving_rate
+
+    def _default_moving_rate(self, workers: int) -> float:
+        rate = self.beta / (self.period * workers)
+        if rate > 1.0:
+            raise ValueError(
+                f"the default moving_rate = beta / (period * num_workers) = {self.beta:g} / "
+                f"({self.period} * {workers}) = {rate:g} is above 1. Fix: lower beta, or "
+                "pass moving_rate in (0, 1]")
+        return rate
+
+    def _hierarchy_parts(self, comm: Comm) -> list[Part]:
+        """As Hierarchical's outer strategy: the synchronous elastic exchange among nodes
+        (only the plain form: the penalty form and EAMSGD change the local update, which the
+        inner strategy owns). On its own, ElasticAveraging runs its hooks directly (the
+        penalty form and EAMSGD act inside the optimizer step; async mode talks to the
+        shards), sharing the exchange itself (``elastic_exchange_``) with this part."""
+        if self.mode != "sync" or self.rho > 0 or self.momentum > 0:
+            raise ValueError(
+                f"as an outer strategy, ElasticAveraging must be mode='sync', rho=0, "
+                f"momentum=0, got mode={self.mode!r}, rho={self.rho}, momentum="
+                f"{self.momentum}. Fix: ElasticAveraging(mode='sync') without rho/momentum")
+        rate = self._moving_rate if self._moving_rate is not None else \
+            self._default_moving_rate(comm.world_size)
+        return [ElasticExchange(comm, period=self.period, moving_rate=rate,
+                                average_buffers=self.average_buffers)]
 
     # ------------------------------------------------------------------ setup
     def _initial_sync(self, model: nn.Module) -> None:
@@ -216,13 +241,8 @@ class ElasticAveraging(Strategy):
                         "torch.optim.SGD without momentum, or momentum=0 (EASGD) with this "
                         "optimizer.", RuntimeWarning, stacklevel=4)
         if self.mode == "sync":
-            st.center = [torch.empty(0)] * len(tensors)
-            for idx in st.groups:
-                group = [tensors[i] for i in idx]
-                flat = _flatten(group)  # a new buffer: the center starts at the (broadcast) model
-                st.center_flats.append(flat)
-                for i, v in zip(idx, _views(flat, group), strict=True):
-                    st.center[i] = v
+            # The center starts at the (broadcast) model.
+            st.center_flats, st.center = make_center(tensors, st.groups)
             return
         self._setup_async(st)
 
@@ -295,14 +315,8 @@ class ElasticAveraging(Strategy):
         a = self.moving_rate
         with torch.no_grad():
             if self.mode == "sync":
-                for idx, center in zip(st.groups, st.center_flats, strict=True):
-                    group = [st.tensors[i] for i in idx]
-                    d = _flatten(group).sub_(center)
-                    for i, t, v in zip(idx, group, _views(d, group), strict=True):
-                        if pull_params or not st.is_param[i]:
-                            t.sub_(v, alpha=a)
-                    self.comm.all_reduce(d)  # sum_i d_i, one collective per dtype
-                    center.add_(d, alpha=a)
+                elastic_exchange_(self.comm, st.tensors, st.groups, st.center_flats,
+                                  [pull_params or not p for p in st.is_param], a)
             else:
                 assert st.table is not None
                 d_by_key = st.table.elastic_exchange(self._named(st), a)
@@ -486,12 +500,3 @@ class ElasticAveraging(Strategy):
             self._client.close()
             self._client = None
         super().close()
-
-
-def _in_range(value: Any, low: float, high: float, *, low_open: bool = False,
-              high_open: bool = False) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    above = value > low if low_open else value >= low
-    below = value < high if high_open else value <= high
-    return above and below

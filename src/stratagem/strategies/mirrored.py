@@ -1,137 +1,23 @@
 """``Mirrored``: synchronous data parallelism on torch ``DistributedDataParallel``.
 
-Gradients are all-reduced in buckets during the backward pass (overlapping compute), so after
+One part: :class:`~stratagem.parts.GradientSync` over the job's Comm. Gradients are
+all-reduced in buckets during the backward pass (overlapping compute), so after
 ``strategy.backward`` every replica holds the same mean gradient and the same optimizer step
-keeps replicas identical.
-
-Three communication paths, chosen once in ``prepare``:
-
-- **Plain dense model, no compression**: DDP's built-in C++ all-reduce, no Python on the
-  gradient path. Bytes are counted analytically (ring all-reduce of every parameter DDP
-  reduces, once per synchronising backward) from a single post-accumulate-grad hook. Measured
-  on this 2-core machine (2 gloo processes, MLP 784-256-256-10, 40 alternating ABBA rounds of
-  20 steps): a Python comm hook costs +4..7 % step time against raw DDP, the counting hook
-  +0.6..3 % (noise of a few % per round), so the fast path keeps Mirrored within DDP's cost.
-- **Compression** (``compression="fp16" | "bf16"``): a Python comm hook divides each bucket by
-  the world size *before* casting it to 16 bits (so the sum of the casts cannot overflow where
-  the fp32 mean would not) and all-reduces the cast: half the bytes (Micikevicius et al. 2018
-  for fp16 gradients; DDP's ``fp16_compress_hook``). With ``error_feedback=True`` the part of
-  each bucket the cast lost is kept and added before the next cast (Seide et al. 2014;
-  Karimireddy et al. 2019), see :mod:`stratagem.compression`. An fp16 overflow becomes
-  ``inf`` on every replica (the all-reduce spreads it), so the strategy's non-finite check
-  skips the step everywhere (``precision="fp16"`` or ``on_nonfinite="skip"``) or raises.
-- **Sparse gradients** (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``): DDP puts
-  each such parameter in a bucket of its own and hands the hook the sparse gradient; gloo's
-  sparse all-reduce exchanges indices and values (an all-gather of the coalesced rows, never
-  densified), so the bytes scale with the rows touched, not the table size. Sparse buckets are
-  never cast (the indices dominate small rows, and gloo's sparse sum runs in the values'
-  dtype). NCCL has no sparse all-reduce: use gloo for such models.
+keeps replicas identical. The communication paths (DDP's C++ all-reduce, compressed buckets,
+sparse gradients) and their measured costs are described in :mod:`stratagem.parts.grad_sync`.
 """
 
-# No "from __future__ import annotations": DDP checks the comm hook's annotations at run time.
+from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-from typing import Any, NoReturn
-
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+from typing import Any
 
 from ..comm import Comm
-from ..compression import ErrorFeedback, compress
-from ..strategy import Prepared, Strategy, StrategyOptimizer
+from ..compression import check_compression
+from ..parts import GradientSync, Part
+from ..strategy import Strategy
+from ..validation import check_number
 
 __all__ = ["Mirrored"]
-
-_COMPRESSION = (None, "fp16", "bf16")
-
-
-class _HookState:
-    """What the comm hook needs: the communicator, the compression, the error-feedback
-    residuals and the current loss scale (residuals are kept unscaled)."""
-
-    def __init__(self, comm: Comm, kind: "str | None", feedback: "ErrorFeedback | None",
-                 scale_fn: Callable[[], float]) -> None:
-        self.comm = comm
-        self.kind = kind
-        self.feedback = feedback
-        self.scale_fn = scale_fn
-
-
-def _allreduce_hook(state: _HookState,
-                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce one bucket to its mean (compressed when asked), counting bytes and time."""
-    comm = state.comm
-    buf = bucket.buffer()
-    if buf.is_sparse:
-        return _sparse_allreduce(comm, buf)
-    # Divide first, in the gradient's own precision: the cast then sees the per-replica share.
-    buf.div_(comm.world_size)
-    if state.kind is None:
-        send = buf
-    elif state.feedback is not None:
-        if bucket.index() == 0:
-            # DDP reduces buckets in index order: a new backward. Residuals still pending are
-            # from a step the strategy skipped; they must not be committed.
-            state.feedback.discard()
-        key = tuple(id(p) for p in bucket.parameters())
-        send, _ = state.feedback.compress(key, buf, scale=state.scale_fn())
-    else:
-        send, _ = compress(buf, state.kind)
-    if send is buf:
-        return comm.all_reduce_async(buf)
-
-    def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        buf.copy_(f.value())
-        return buf
-
-    return comm.all_reduce_async(send).then(decompress)
-
-
-def _sparse_allreduce(comm: Comm, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Mean of a sparse COO gradient across replicas through gloo's sparse all-reduce.
-
-    Gloo all-gathers each rank's coalesced indices and values (sizes first) and sums them:
-    a rank sends its rows to the ``W - 1`` others. Counted as ``(W - 1) * payload`` sent and
-    received per rank (exact summed over ranks; per rank it assumes equal row counts).
-    """
-    world = comm.world_size
-    local = grad.coalesce()
-    local = local / world
-    indices, values = local._indices(), local._values()
-    payload = indices.numel() * indices.element_size() + values.numel() * values.element_size()
-    return comm.all_reduce_async(local, nbytes=(world - 1) * payload)
-
-
-def _has_sparse_gradients(module: nn.Module) -> bool:
-    # The same rule DDP uses to give a parameter a sparse bucket of its own.
-    return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-               for m in module.modules())
-
-
-class _Released:
-    """Stands in for a closed DDP wrapper's reducer: using the wrapper after
-    ``strategy.close()`` says so instead of failing somewhere inside DDP."""
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise RuntimeError(
-            "this DistributedDataParallel model belongs to a closed Mirrored strategy (its "
-            "process group was released by strategy.close() or at exit). Fix: evaluate "
-            "strategy.eval_model(model) / strategy.unwrap(model), or build a new strategy "
-            "and prepare the model again")
-
-
-def _release_wrappers(wrappers: "weakref.WeakSet[DDP]") -> None:
-    """Let DDP wrappers go of the process group (their C++ reducer holds it), so closing the
-    Comm can destroy the group and join its threads."""
-    for ddp in list(wrappers):
-        ddp.__dict__["reducer"] = _Released()
-        ddp.__dict__["logger"] = _Released()
-        ddp.__dict__["process_group"] = None
-    wrappers.clear()
-
 
 class Mirrored(Strategy):
     """Synchronous all-reduce data parallelism (one replica per process).
@@ -150,96 +36,26 @@ class Mirrored(Strategy):
     """
 
     name = "mirrored"
+    _hierarchy_roles = ("inner",)
     _synchronous_step = True
 
     def __init__(self, *, bucket_cap_mb: float = 25, compression: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False,
                  **kwargs: Any) -> None:
-        if compression not in _COMPRESSION:
-            raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+        check_compression(compression)
         if error_feedback and compression is None:
             raise ValueError("error_feedback=True needs a lossy compression, got "
                              "compression=None; pass compression='fp16' or 'bf16', or drop "
                              "error_feedback")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        check_number("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True,
+                     fix="pass DDP's bucket size in MiB, e.g. 25")
         super().__init__(**kwargs)
         self.bucket_cap_mb = bucket_cap_mb
         self.compression = compression
         self.error_feedback = bool(error_feedback)
         self.find_unused_parameters = find_unused_parameters
-        self._feedback: list[ErrorFeedback] = []
-        self._wrappers: weakref.WeakSet[DDP] = weakref.WeakSet()
-        wrappers = self._wrappers  # the callback must not keep the strategy alive
-        self.comm.on_close(lambda: _release_wrappers(wrappers))
 
-    def _wrap_model(self, module: nn.Module) -> nn.Module:
-        if self.num_replicas_in_sync == 1:
-            return module
-        ddp = DDP(
-            module,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            process_group=self.comm.group,
-            bucket_cap_mb=self.bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters,
-        )
-        self._wrappers.add(ddp)
-        # The built-in path needs every reduced parameter to get a gradient in every
-        # backward (true unless find_unused_parameters) for the one-parameter byte counter,
-        # and dense gradients (a sparse payload depends on the rows touched).
-        if (self.compression is None and not self.find_unused_parameters
-                and not _has_sparse_gradients(module)):
-            self._count_builtin_allreduce(ddp)
-            return ddp
-        feedback = None
-        if self.error_feedback:
-            assert self.compression is not None
-            feedback = ErrorFeedback(self.compression, deferred=True)
-            self._feedback.append(feedback)
-        state = _HookState(self.comm, self.compression, feedback, lambda: self.precision.scale)
-        ddp.register_comm_hook(state, _allreduce_hook)
-        return ddp
-
-    def _count_builtin_allreduce(self, ddp: DDP) -> None:
-        """Count the bytes of DDP's C++ all-reduce: every reduced parameter once per
-        synchronising backward, as a ring all-reduce (DDP's buckets partition them).
-
-        Counted at the forward that arms the reduction, on DDP's own condition (grad mode and
-        ``require_backward_grad_sync``): a forward pre-hook costs one Python call per step
-        and stays off the autograd path (a post-accumulate-grad hook would run inside the
-        backward; on this loaded 2-core machine neither difference was measurable above the
-        noise). Over-counts only a grad-mode forward that is never followed by a backward.
-        """
-        ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))
-        params = [p for n, p in ddp.module.named_parameters()
-                  if p.requires_grad and n not in ignored]
-        if not params:
-            return
-        nbytes = self.comm.allreduce_bytes(sum(p.numel() * p.element_size() for p in params))
-        comm = self.comm
-
-        def count(module: nn.Module, _args: Any) -> None:
-            if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-                comm.account(nbytes, nbytes)
-                comm.num_collectives += 1  # progress for the peer diagnosis
-
-        ddp.register_forward_pre_hook(count)
-
-    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
-        super()._load_model(prepared, state)
-        for feedback in self._feedback:
-            feedback.reset()  # residuals of the pre-restore trajectory do not apply
-
-    def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
-        if isinstance(prepared.model, DDP):
-            prepared.model.require_backward_grad_sync = enabled
-
-    def _after_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
-        # The residuals computed in this step's backward belong to the update just applied.
-        for feedback in self._feedback:
-            feedback.commit(prune=True)
-
-    def _extra_metrics(self) -> dict[str, Any]:
-        if not self._feedback:
-            return {}
-        return {"error_feedback_norm": sum(f.residual_norm() for f in self._feedback)}
+    def _build_parts(self, comm: Comm) -> list[Part]:
+        return [GradientSync(comm, bucket_cap_mb=self.bucket_cap_mb,
+                             compression=self.compression, error_feedback=self.error_feedback,
+                             find_unused_parameters=self.find_unused_parameters)]

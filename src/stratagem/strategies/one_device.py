@@ -22,6 +22,7 @@ class OneDevice(Strategy):
     train alone as the chief of a world of one."""
 
     name = "one_device"
+    _hierarchy_roles = ("inner",)
 
     def __init__(self, device: torch.device | str | None = None, **kwargs: Any) -> None:
         if "comm" not in kwargs:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import Comm
+from ..parts import Part
 from ..precision import Precision
 from ..strategy import Prepared, Strategy
 
@@ -149,20 +150,27 @@ def _chosen_units(root: nn.Module, shard_modules: ShardModules) -> list[nn.Modul
     return units
 
 
-class FSDPSharding:
+class FSDPSharding(Part):
     """FSDP2 over one :class:`Comm`: which modules become units, the mixed-precision and
     offload policies, gradient-sync control, the global gradient norm, and conversions
     between the sharded parameters (DTensors) and full tensors.
 
-    A part: it knows nothing of the strategy around it, so a composed strategy can shard
-    within a node (its ``Comm`` over the node's processes) and synchronise otherwise across
-    nodes."""
+    A part (:class:`~stratagem.parts.Part`): ``wrap_model`` shards the module in place,
+    ``setup`` re-points the optimizers at the shards, ``set_grad_sync`` drives accumulation,
+    ``consensus`` leaves the shards as they are (a sharded checkpoint writes them, an
+    ``eval_model`` gathers them). It knows nothing of the strategy around it beyond its device
+    and precision, so a composed strategy can shard within a node (a ``Comm`` over the node's
+    processes) and synchronise otherwise across nodes."""
+
+    name = "fsdp"
+    #: Each process holds its rows, not the whole consensus module.
+    replicated = False
 
     def __init__(self, comm: Comm, *, device: torch.device, reshard_after_forward: bool = True,
                  shard_modules: ShardModules = None, cpu_offload: bool = False,
                  param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
-        self.comm = comm
+        super().__init__(comm)
         self.device = device
         self.reshard_after_forward = reshard_after_forward
         self.shard_modules = shard_modules
@@ -170,6 +178,83 @@ class FSDPSharding:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self._mesh: DeviceMesh | None = None
+        self._pending: tuple[nn.Module, dict[int, nn.Parameter]] | None = None
+        # Per prepared module: whether its next backward reduce-scatters (byte counting).
+        self._sync_states: dict[int, dict[str, bool]] = {}
+
+    # ------------------------------------------------------------------ Part hooks
+    def wrap_model(self, model: nn.Module, module: nn.Module) -> nn.Module:
+        """Shard ``module`` (the bare user module) in place; ``model`` (what the user calls,
+        e.g. a ``torch.compile`` wrapper around it) is returned as it is."""
+        if isinstance(module, FSDPModule):
+            raise ValueError(f"the {type(module).__name__} given to prepare is already sharded "
+                             "by fully_shard. Fix: pass the plain module; Sharded applies "
+                             "fully_shard itself")
+        template = _meta_template(module)
+        before = dict(module.named_parameters(remove_duplicate=False))
+        units = self.shard(module)
+        after = dict(module.named_parameters(remove_duplicate=False))
+        # fully_shard replaces every parameter by a new DTensor parameter; the optimizers
+        # the user built before prepare are re-pointed at them in setup.
+        self._pending = (template, {id(p): after[n] for n, p in before.items()})
+        self._count_bytes(module, units[:-1])
+        return model
+
+    def setup(self, prepared: Prepared) -> None:
+        assert self._pending is not None, "setup without wrap_model"
+        template, replaced = self._pending
+        self._pending = None
+        prepared.state["fsdp_template"] = template
+        for opt in prepared.optimizers:
+            inner = opt.optimizer
+            if inner.state:
+                raise ValueError(
+                    f"the {type(inner).__name__} given to prepare already holds state for "
+                    f"{len(inner.state)} parameter(s); Sharded replaces the parameters by their "
+                    "shards, so that state cannot follow. Fix: prepare before the first step, "
+                    "then strategy.restore(...) the optimizer state")
+            for group in inner.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+
+    def set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
+        """Whether the next backward reduce-scatters (accumulation: not before the last
+        micro-batch; the unsharded gradients accumulate locally meanwhile)."""
+        if isinstance(prepared.module, FSDPModule):
+            prepared.module.set_requires_gradient_sync(enabled)
+        state = self._sync_states.get(id(prepared.module))
+        if state is not None:
+            state["sync"] = enabled
+
+    def _count_bytes(self, module: nn.Module, units: list[nn.Module]) -> None:
+        """Count FSDP2's traffic analytically at the root's forward (it bypasses ``Comm``):
+        per replica a ring all-gather of the parameters in the compute dtype for the forward,
+        another of the units' (not the root's) for the backward when
+        ``reshard_after_forward``, and a reduce-scatter of the gradients in the reduction
+        dtype when this backward synchronises (each moves ``(W-1)/W`` of the full size)."""
+        world = self.comm.world_size
+        if world == 1:
+            return
+        numel = sum(p.numel() for p in module.parameters())
+        in_units = sum(p.numel() for p in {id(p): p for u in units
+                                           for p in u.parameters()}.values())
+        share = (world - 1) / world
+        gather = numel * (self.param_dtype or torch.float32).itemsize * share
+        regather = in_units * (self.param_dtype or torch.float32).itemsize * share
+        scatter = numel * (self.reduce_dtype or torch.float32).itemsize * share
+        comm, state, reshard = self.comm, {"sync": True}, self.reshard_after_forward
+        self._sync_states[id(module)] = state
+
+        def count(_module: nn.Module, _args: Any) -> None:
+            nbytes = gather
+            if torch.is_grad_enabled():
+                if reshard:
+                    nbytes += regather
+                if state["sync"]:
+                    nbytes += scatter
+            comm.account(nbytes, nbytes)
+            comm.num_collectives += 1
+
+        module.register_forward_pre_hook(count)
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -210,13 +295,6 @@ class FSDPSharding:
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard,
                         mp_policy=policy, offload_policy=offload)
         return [*units, module]
-
-    @staticmethod
-    def set_grad_sync(module: nn.Module, enabled: bool) -> None:
-        """Whether the next backward reduce-scatters (accumulation: not before the last
-        micro-batch; the unsharded gradients accumulate locally meanwhile)."""
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled)
 
     def grad_norm(self, grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The total ``norm_type``-norm of gradients sharded across the comm's replicas: the
@@ -302,6 +380,8 @@ class Sharded(Strategy):
 
     name = "sharded"
     _synchronous_step = True
+    _hierarchy_roles = ("inner",)
+    _replicates_model = False
 
     def __init__(self, *, reshard_after_forward: bool = True, shard_modules: ShardModules = None,
                  cpu_offload: bool = False, reduce_precision: str | None = None,
@@ -328,100 +408,35 @@ class Sharded(Strategy):
         self.precision = _LocalPrecision(base.precision, device_type=base.device_type,
                                          on_nonfinite=base.on_nonfinite, init_scale=base.scale,
                                          growth_interval=base.growth_interval)
-        param_dtype = self.precision.dtype
-        reduce_dtype = ({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-                        [reduce_precision] if reduce_precision is not None else param_dtype)
         self.reshard_after_forward = reshard_after_forward
         self.shard_modules = shard_modules
         self.cpu_offload = cpu_offload
-        # Per prepared module: whether its next backward reduce-scatters (byte counting).
-        self._sync_states: dict[int, dict[str, bool]] = {}
-        self.sharding = FSDPSharding(self.comm, device=self.device,
-                                     reshard_after_forward=reshard_after_forward,
-                                     shard_modules=shard_modules, cpu_offload=cpu_offload,
-                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        self.reduce_precision = reduce_precision
 
-    # ------------------------------------------------------------------ prepare
-    def _wrap_model(self, model: nn.Module) -> nn.Module:
-        module = model  # the module behind torch.compile wrappers, sharded in place
-        while type(module).__name__ == "OptimizedModule" and isinstance(
-                getattr(module, "_orig_mod", None), nn.Module):
-            module = cast(nn.Module, module._orig_mod)
-        if isinstance(module, FSDPModule):
-            raise ValueError(f"the {type(module).__name__} given to prepare is already sharded "
-                             "by fully_shard. Fix: pass the plain module; Sharded applies "
-                             "fully_shard itself")
-        template = _meta_template(module)
-        before = dict(module.named_parameters(remove_duplicate=False))
-        units = self.sharding.shard(module)
-        after = dict(module.named_parameters(remove_duplicate=False))
-        # fully_shard replaces every parameter by a new DTensor parameter; the optimizers
-        # the user built before prepare are re-pointed at them in _setup.
-        self._pending = (template, {id(p): after[n] for n, p in before.items()})
-        self._count_bytes(module, units[:-1])
-        return model
+    def _build_parts(self, comm: Comm) -> list[Part]:
+        dtype = self.precision.dtype
+        reduce_dtype = ({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+                        [self.reduce_precision] if self.reduce_precision is not None else dtype)
+        return [FSDPSharding(comm, device=self.device,
+                             reshard_after_forward=self.reshard_after_forward,
+                             shard_modules=self.shard_modules, cpu_offload=self.cpu_offload,
+                             param_dtype=dtype, reduce_dtype=reduce_dtype)]
 
-    def _setup(self, prepared: Prepared) -> None:
-        template, replaced = self._pending
-        del self._pending
-        prepared.state["eval_template"] = template
-        for opt in prepared.optimizers:
-            inner = opt.optimizer
-            if inner.state:
-                raise ValueError(
-                    f"the {type(inner).__name__} given to prepare already holds state for "
-                    f"{len(inner.state)} parameter(s); Sharded replaces the parameters by their "
-                    "shards, so that state cannot follow. Fix: prepare before the first step, "
-                    "then strategy.restore(...) the optimizer state")
-            for group in inner.param_groups:
-                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
-
-    def _count_bytes(self, module: nn.Module, units: list[nn.Module]) -> None:
-        """Count FSDP2's traffic analytically at the root's forward (it bypasses ``Comm``):
-        per replica a ring all-gather of the parameters in the compute dtype for the forward,
-        another of the units' (not the root's) for the backward when
-        ``reshard_after_forward``, and a reduce-scatter of the gradients in the reduction
-        dtype when this backward synchronises (each moves ``(W-1)/W`` of the full size)."""
-        world = self.comm.world_size
-        if world == 1:
-            return
-        numel = sum(p.numel() for p in module.parameters())
-        in_units = sum(p.numel() for p in {id(p): p for u in units
-                                           for p in u.parameters()}.values())
-        share = (world - 1) / world
-        gather = numel * (self.sharding.param_dtype or torch.float32).itemsize * share
-        regather = in_units * (self.sharding.param_dtype or torch.float32).itemsize * share
-        scatter = numel * (self.sharding.reduce_dtype or torch.float32).itemsize * share
-        comm, state = self.comm, {"sync": True}
-        self._sync_states[id(module)] = state
-
-        def count(_module: nn.Module, _args: Any) -> None:
-            nbytes = gather
-            if torch.is_grad_enabled():
-                if self.reshard_after_forward:
-                    nbytes += regather
-                if state["sync"]:
-                    nbytes += scatter
-            comm.account(nbytes, nbytes)
-            comm.num_collectives += 1
-
-        module.register_forward_pre_hook(count)
-
-    def _set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
-        self.sharding.set_grad_sync(prepared.module, enabled)
-        state = self._sync_states.get(id(prepared.module))
-        if state is not None:
-            state["sync"] = enabled
+    @property
+    def sharding(self) -> FSDPSharding:
+        """The FSDP2 part this strategy is made of."""
+        part = self.parts[0]
+        assert isinstance(part, FSDPSharding)
+        return part
 
     def _grad_norm(self, prepared: Prepared, grads: list[torch.Tensor],
                    norm_type: float) -> torch.Tensor:
         return self.sharding.grad_norm(grads, norm_type)
 
     # ------------------------------------------------------------------ state
-    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
-        """The module's state dict as FSDP2 holds it: DTensor shards (a sharded checkpoint
-        writes each replica's rows; ``save(..., consolidate=True)`` gathers them)."""
-        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+    # _checkpoint_model is the base class's: the module's state with the part's consensus,
+    # i.e. the DTensor shards as FSDP2 holds them (a sharded checkpoint writes each replica's
+    # rows; save(..., consolidate=True) gathers them).
 
     def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         """Full tensors (any checkpoint, any writer's world size): each replica keeps its
@@ -429,6 +444,8 @@ class Sharded(Strategy):
         own = prepared.module.state_dict()
         for name, target in own.items():
             self.sharding.load_full(target, state[name])
+        for part in self.parts:
+            part.loaded(prepared)
 
     def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         return opt.state_dict()
@@ -457,7 +474,7 @@ class Sharded(Strategy):
             return model
         clone: nn.Module | None = prepared.state.get("eval_copy")
         if clone is None:
-            clone = _materialize(prepared.state["eval_template"], self.device)
+            clone = _materialize(prepared.state["fsdp_template"], self.device)
             if self.precision.dtype is not None:
                 clone.forward = self._autocast_forward(clone)  # type: ignore[method-assign]
             prepared.state["eval_copy"] = clone

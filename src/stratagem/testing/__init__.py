@@ -14,11 +14,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
+import torch  # noqa: F401
 import torch.distributed as dist
 
 from .._rendezvous import loopback_tcp_store
-from ..comm import Comm
+from ..comm import Comm, new_group
 
 __all__ = ["run_ranks", "gloo_group"]
 
@@ -27,14 +27,8 @@ _runs = itertools.count()
 
 def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: float) -> dist.ProcessGroup:
     """A gloo process group that is not torch.distributed's default one (DDP needs the
-    ``ProcessGroup`` wrapper, not the bare backend)."""
-    backend = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout))
-    pg = dist.ProcessGroup(store, rank, world_size)
-    backend_type = dist.ProcessGroup.BackendType.GLOO
-    pg._set_default_backend(backend_type)
-    backend._set_sequence_number_for_group()
-    pg._register_backend(torch.device("cpu"), backend_type, backend)
-    return pg
+    ``ProcessGroup`` wrapper, not the bare backend): :func:`stratagem.comm.new_group`."""
+    return new_group(store, rank, world_size, timeout)
 
 
 def run_ranks(
@@ -45,14 +39,23 @@ def run_ranks(
     timeout: float = 60.0,
     comm_timeout: float = 10.0,
     heartbeat: bool = False,
+    nnodes: int = 1,
 ) -> list[Any]:
     """Call ``fn(comm, *args)`` on ``world_size`` threads, rank ``r`` getting a ``Comm`` over
     its own gloo group, and return the results in rank order.
+
+    ``nnodes`` simulates that many nodes of ``world_size // nnodes`` ranks each (ranks laid out
+    node by node, as torchrun does): ``comm.local_world_size`` and ``comm.node_groups()``
+    follow it.
 
     On failure the first rank's exception is re-raised (with the rank in its notes); a rank
     still running after ``timeout`` seconds raises ``TimeoutError`` instead of hanging.
     """
     # Loopback only (issue 10): torch's own master store would listen on every interface.
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1 \
+            or world_size % nnodes:
+        raise ValueError(f"nnodes must be an int >= 1 dividing world_size={world_size}, got "
+                         f"{nnodes!r}. Fix: pass a divisor of world_size")
     master = loopback_tcp_store("127.0.0.1", 0, world_size=world_size,
                                 timeout=timedelta(seconds=comm_timeout))
     prefix = f"run{next(_runs)}"
@@ -70,7 +73,7 @@ def run_ranks(
             pg = gloo_group(dist.PrefixStore("pg", store), rank, world_size,
                             max(comm_timeout, 30.0))
             comm = Comm(pg, rank, world_size, store=store, timeout=comm_timeout,
-                        heartbeat=heartbeat)
+                        heartbeat=heartbeat, local_world_size=world_size // nnodes)
             results[rank] = fn(comm, *args)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append((rank, exc, traceback.format_exc()))

@@ -1,0 +1,240 @@
+"""Synchronous gradient all-reduce on torch ``DistributedDataParallel``, over a given Comm.
+
+Gradients are all-reduced in buckets during the backward pass (overlapping compute), so after
+the backward every replica of the Comm holds the same mean gradient. Three communication
+paths, chosen once per model in ``wrap_model``:
+
+- **Plain dense model, no compression**: DDP's built-in C++ all-reduce, no Python on the
+  gradient path. Bytes are counted analytically (ring all-reduce of every parameter DDP
+  reduces, once per synchronising backward) from one forward pre-hook. Measured on this
+  2-core machine (2 gloo processes, MLP 784-256-256-10, 40 alternating ABBA rounds of 20
+  steps): a Python comm hook costs +4..7 % step time against raw DDP, the counting hook
+  +0.6..3 % (noise of a few % per round).
+- **Compression** (``"fp16"`` / ``"bf16"``): a Python comm hook divides each bucket by the
+  world size *before* casting it to 16 bits (the sum of the casts cannot overflow where the
+  fp32 mean would not) and all-reduces the cast: half the bytes (Micikevicius et al. 2018;
+  DDP's ``fp16_compress_hook``). With error feedback the part of each bucket the cast lost is
+  kept and added before the next cast (Seide et al. 2014; Karimireddy et al. 2019). An fp16
+  overflow becomes ``inf`` on every replica (the all-reduce spreads it), so the strategy's
+  non-finite check skips the step everywhere or raises.
+- **Sparse gradients** (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``): DDP
+  puts each such parameter in a bucket of its own and hands the hook the sparse gradient;
+  gloo's sparse all-reduce exchanges indices and values (never densified), so the bytes
+  scale with the rows touched. Sparse buckets are never cast. NCCL has no sparse all-reduce.
+"""
+
+# No "from __future__ import annotations": DDP checks the comm hook's annotations at run time.
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..comm import Comm
+from ..compression import ErrorFeedback, compress
+from .base import Part
+
+if TYPE_CHECKING:
+    from ..strategy import Prepared
+
+__all__ = ["GradientSync"]
+
+
+class _HookState:
+    """What the comm hook needs: the communicator, the compression, the error-feedback
+    residuals and the current loss scale (residuals are kept unscaled)."""
+
+    def __init__(self, comm: Comm, kind: "str | None", feedback: "ErrorFeedback | None",
+                 scale_fn: Callable[[], float]) -> None:
+        self.comm = comm
+        self.kind = kind
+        self.feedback = feedback
+        self.scale_fn = scale_fn
+
+
+def _allreduce_hook(state: _HookState,
+                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce one bucket to its mean (compressed when asked), counting bytes and time."""
+    comm = state.comm
+    buf = bucket.buffer()
+    if buf.is_sparse:
+        return _sparse_allreduce(comm, buf)
+    # Divide first, in the gradient's own precision: the cast then sees the per-replica share.
+    buf.div_(comm.world_size)
+    if state.kind is None:
+        send = buf
+    elif state.feedback is not None:
+        if bucket.index() == 0:
+            # DDP reduces buckets in index order: a new backward. Residuals still pending are
+            # from a step the strategy skipped; they must not be committed.
+            state.feedback.discard()
+        key = tuple(id(p) for p in bucket.parameters())
+        send, _ = state.feedback.compress(key, buf, scale=state.scale_fn())
+    else:
+        send, _ = compress(buf, state.kind)
+    if send is buf:
+        return comm.all_reduce_async(buf)
+
+    def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        buf.copy_(f.value())
+        return buf
+
+    return comm.all_reduce_async(send).then(decompress)
+
+
+def _sparse_allreduce(comm: Comm, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Mean of a sparse COO gradient across replicas through gloo's sparse all-reduce.
+
+    Gloo all-gathers each rank's coalesced indices and values (sizes first) and sums them:
+    a rank sends its rows to the ``W - 1`` others. Counted as ``(W - 1) * payload`` sent and
+    received per rank (exact summed over ranks; per rank it assumes equal row counts).
+    """
+    world = comm.world_size
+    local = grad.coalesce()
+    local = local / world
+    indices, values = local._indices(), local._values()
+    payload = indices.numel() * indices.element_size() + values.numel() * values.element_size()
+    return comm.all_reduce_async(local, nbytes=(world - 1) * payload)
+
+
+def _has_sparse_gradients(module: nn.Module) -> bool:
+    # The same rule DDP uses to give a parameter a sparse bucket of its own.
+    return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+               for m in module.modules())
+
+
+class _Released:
+    """Stands in for a closed DDP wrapper's reducer: using the wrapper after
+    ``strategy.close()`` says so instead of failing somewhere inside DDP."""
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise RuntimeError(
+            "this DistributedDataParallel model belongs to a closed Mirrored strategy (its "
+            "process group was released by strategy.close() or at exit). Fix: evaluate "
+            "strategy.eval_model(model) / strategy.unwrap(model), or build a new strategy "
+            "and prepare the model again")
+
+
+def _release_wrappers(wrappers: "weakref.WeakSet[DDP]") -> None:
+    """Let DDP wrappers go of the process group (their C++ reducer holds it), so closing the
+    Comm can destroy the group and join its threads."""
+    for ddp in list(wrappers):
+        ddp.__dict__["reducer"] = _Released()
+        ddp.__dict__["logger"] = _Released()
+        ddp.__dict__["process_group"] = None
+    wrappers.clear()
+
+
+class GradientSync(Part):
+    """All-reduce the gradients over ``comm`` during the backward, with DDP.
+
+    ``compression`` (None, "fp16", "bf16") and ``error_feedback`` as described in the module
+    docstring; ``bucket_cap_mb`` and ``find_unused_parameters`` are DDP's. The owning
+    strategy's loss scale is read at each compressed bucket (residuals are kept unscaled).
+    On failure a dead or stalled peer makes the all-reduce fail within the Comm's timeout and
+    the backward raises ``PeerTimeoutError`` naming it. Memory: DDP's buckets (at most one
+    extra copy of the gradients), plus one fp32 copy for error-feedback residuals.
+    """
+
+    name = "gradient_sync"
+
+    def __init__(self, comm: Comm, *, bucket_cap_mb: float = 25,
+                 compression: "str | None" = None, error_feedback: bool = False,
+                 find_unused_parameters: bool = False) -> None:
+        super().__init__(comm)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.compression = compression
+        self.error_feedback = error_feedback
+        self.find_unused_parameters = find_unused_parameters
+        self._feedback: list[ErrorFeedback] = []
+        self._wrappers: weakref.WeakSet[DDP] = weakref.WeakSet()
+        wrappers = self._wrappers  # the callback must not keep the part alive
+        comm.on_close(lambda: _release_wrappers(wrappers))
+
+    def _scale(self) -> float:
+        return self.strategy.precision.scale if self.strategy is not None else 1.0
+
+    def wrap_model(self, model: nn.Module, module: nn.Module) -> nn.Module:
+        if self.comm.world_size == 1:
+            return model
+        device = module_device(module)
+        ddp = DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=self.comm.group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+        )
+        self._wrappers.add(ddp)
+        # The built-in path needs every reduced parameter to get a gradient in every
+        # backward (true unless find_unused_parameters) for the byte counter, and dense
+        # gradients (a sparse payload depends on the rows touched).
+        if (self.compression is None and not self.find_unused_parameters
+                and not _has_sparse_gradients(module)):
+            _count_builtin_allreduce(self.comm, ddp)
+            return ddp
+        feedback = None
+        if self.error_feedback:
+            assert self.compression is not None
+            feedback = ErrorFeedback(self.compression, deferred=True)
+            self._feedback.append(feedback)
+        state = _HookState(self.comm, self.compression, feedback, self._scale)
+        ddp.register_comm_hook(state, _allreduce_hook)
+        return ddp
+
+    def set_grad_sync(self, prepared: "Prepared", enabled: bool) -> None:
+        model = prepared.model
+        while not isinstance(model, DDP):
+            inner = getattr(model, "module", None)
+            if not isinstance(inner, nn.Module) or inner is model:
+                return
+            model = inner
+        model.require_backward_grad_sync = enabled
+
+    def after_update(self, prepared: "Prepared") -> None:
+        # The residuals computed in this step's backward belong to the update just applied.
+        for feedback in self._feedback:
+            feedback.commit(prune=True)
+
+    def loaded(self, prepared: "Prepared") -> None:
+        for feedback in self._feedback:
+            feedback.reset()  # residuals of the pre-restore trajectory do not apply
+
+    def metrics(self) -> dict[str, Any]:
+        if not self._feedback:
+            return {}
+        return {"error_feedback_norm": sum(f.residual_norm() for f in self._feedback)}
+
+
+def module_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _count_builtin_allreduce(comm: Comm, ddp: DDP) -> None:
+    """Count the bytes of DDP's C++ all-reduce: every reduced parameter once per synchronising
+    backward, as a ring all-reduce (DDP's buckets partition them).
+
+    Counted at the forward that arms the reduction, on DDP's own condition (grad mode and
+    ``require_backward_grad_sync``): a forward pre-hook costs one Python call per step and
+    stays off the autograd path. Over-counts only a grad-mode forward never followed by a
+    backward.
+    """
+    ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))
+    params = [p for n, p in ddp.module.named_parameters()
+              if p.requires_grad and n not in ignored]
+    if not params:
+        return
+    nbytes = comm.allreduce_bytes(sum(p.numel() * p.element_size() for p in params))
+
+    def count(module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+            comm.account(nbytes, nbytes)
+            comm.num_collectives += 1  # progress for the peer diagnosis
+
+    ddp.register_forward_pre_hook(count)

@@ -1,0 +1,92 @@
+"""Tensor plumbing the parts share: which tensors a model synchronises, flat buffers grouped
+by dtype, averages, and per-rank gathers for checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..comm import Comm, flatten, views
+
+__all__ = ["synced_tensors", "dtype_groups", "average_", "mean_copy", "gather_ranks",
+           "load_rank"]
+
+
+def synced_tensors(module: nn.Module, buffers: bool) -> tuple[list[str], list[torch.Tensor],
+                                                               list[bool]]:
+    """The module's unique parameters, then (if ``buffers``) its floating-point buffers, with
+    their names and an is-parameter flag. Integer buffers (``num_batches_tracked``) are
+    counters, not state to average: they stay local."""
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    is_param: list[bool] = []
+    for n, p in module.named_parameters():
+        names.append(n)
+        tensors.append(p)
+        is_param.append(True)
+    if buffers:
+        for n, b in module.named_buffers():
+            if b.is_floating_point():
+                names.append(n)
+                tensors.append(b)
+                is_param.append(False)
+    return names, tensors, is_param
+
+
+def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (dtype, device): one flat buffer / collective each."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    return list(groups.values())
+
+
+def average_(comm: Comm, tensors: Sequence[torch.Tensor]) -> None:
+    """Replace every tensor by its mean over the replicas: one all-reduce per dtype."""
+    if comm.world_size == 1 or not tensors:
+        return
+    with torch.no_grad():
+        comm.all_reduce_coalesced(tensors)
+        torch._foreach_div_(list(tensors), comm.world_size)
+
+
+def mean_copy(comm: Comm, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The replicas' mean of ``tensors`` as new tensors (the replicas are left untouched)."""
+    out: list[torch.Tensor] = [t.detach().clone() for t in tensors]
+    average_(comm, out)
+    return out
+
+
+def gather_ranks(comm: Comm, names: Sequence[str], tensors: Sequence[torch.Tensor],
+                 prefix: str) -> dict[str, torch.Tensor]:
+    """Every replica's ``tensors`` as ``{f"{prefix}.rank{r}/{name}": tensor}`` on every rank
+    (collective: one all-gather per dtype). Used to checkpoint state only a worker holds."""
+    out: dict[str, torch.Tensor] = {}
+    for idx in dtype_groups(tensors):
+        group = [tensors[i] for i in idx]
+        flat = flatten(group)
+        parts = comm.all_gather(flat) if comm.world_size > 1 else [flat]
+        for r, part in enumerate(parts):
+            for i, v in zip(idx, views(part, group), strict=True):
+                out[f"{prefix}.rank{r}/{names[i]}"] = v
+    return out
+
+
+def load_rank(state: dict[str, torch.Tensor], prefix: str, rank: int, world_size: int,
+              names: Sequence[str], tensors: Sequence[torch.Tensor]) -> bool:
+    """Copy this rank's entries written by :func:`gather_ranks` into ``tensors``; only when
+    the checkpoint was written by as many ranks as there are now (else returns False and the
+    caller keeps the loaded model)."""
+    ranks = {k.split("/", 1)[0] for k in state if k.startswith(f"{prefix}.rank")}
+    if len(ranks) != world_size:
+        return False
+    keys = [f"{prefix}.rank{rank}/{n}" for n in names]
+    if any(k not in state or state[k].shape != t.shape
+           for k, t in zip(keys, tensors, strict=True)):
+        return False
+    with torch.no_grad():
+        for k, t in zip(keys, tensors, strict=True):
+            t.copy_(state[k])
+    return True
