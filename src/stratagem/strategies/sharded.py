@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -150,6 +151,32 @@ def _chosen_units(root: nn.Module, shard_modules: ShardModules) -> list[nn.Modul
     return units
 
 
+def _registered(comm: Comm) -> dist.ProcessGroup:
+    """``comm.group`` if torch.distributed knows it, else a group over the same processes that
+    it does know. ``DeviceMesh.from_group`` looks a group up in torch.distributed's registry;
+    a sub-Comm built from a store (``Comm.split``, the node groups of ``Hierarchical``) is not
+    registered there, so its members build a registered twin with ``dist.new_group(ranks,
+    use_local_synchronization=True)`` (only the members call it). The twin is a second gloo
+    group over the same processes: FSDP2's collectives run on it, not on ``comm.group``."""
+    group = comm.group
+    assert group is not None
+    try:
+        dist.get_process_group_ranks(group)
+        return group
+    except KeyError:
+        pass
+    if not dist.is_initialized():
+        raise ValueError(
+            "FSDP2 needs a process group registered with torch.distributed (DeviceMesh "
+            "looks it up there); this Comm's group is not, and there is no default group to "
+            "derive one from (thread ranks of stratagem.testing.run_ranks). Fix: run Sharded "
+            "in launched processes (sg.launch, stratagem run, torchrun)")
+    ranks = [int(t.item()) for t in comm.all_gather(torch.tensor([dist.get_rank()]))]
+    twin = dist.new_group(ranks, use_local_synchronization=True)
+    assert isinstance(twin, dist.ProcessGroup)
+    return twin
+
+
 class FSDPSharding(Part):
     """FSDP2 over one :class:`Comm`: which modules become units, the mixed-precision and
     offload policies, gradient-sync control, the global gradient norm, and conversions
@@ -264,7 +291,7 @@ class FSDPSharding(Part):
             if self.comm.group is None:
                 raise ValueError("FSDP2 needs a process group; this Comm has none (a single "
                                  "process). Fix: launch several workers, or use OneDevice")
-            self._mesh = DeviceMesh.from_group(self.comm.group, self.device.type)
+            self._mesh = DeviceMesh.from_group(_registered(self.comm), self.device.type)
         return self._mesh
 
     def units(self, module: nn.Module) -> list[nn.Module]:
