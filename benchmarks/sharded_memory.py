@@ -155,8 +155,8 @@ def time_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import stratagem as sg
 
     torch.set_num_threads(1)
-    strategy = sg.Sharded()  # initialises the default process group
-    rank = dist.get_rank()
+    strategy = sg.Sharded()
+    rank = strategy.replica_id  # joins the job: initialises the default process group
     x, y = _batch(cfg, rank)
 
     model = _build(cfg)
