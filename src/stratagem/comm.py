@@ -251,13 +251,31 @@ class Comm:
                     "this Comm has no store, so it cannot build sub-groups. Fix: build it with "
                     "Comm.from_env() or stratagem.testing.run_ranks, or pass store=")
             store = dist.PrefixStore(f"{name}/{self._splits}/{index}", self.store)
-            group = new_group(dist.PrefixStore("pg", store), mine.index(self.rank), size,
-                              max(self.timeout, 30.0), self.device)
+            if self._is_default_group():
+                # torch.distributed must know the sub-groups of its default group: FSDP2's
+                # DeviceMesh.from_group looks them up. dist.new_group is collective over the
+                # default group, so every rank creates every group, in the same order.
+                group = None
+                for g in members:
+                    if len(g) == 1:
+                        continue
+                    created = dist.new_group(ranks=g, timeout=timedelta(
+                        seconds=max(self.timeout, 30.0)))
+                    if g is mine:
+                        group = created
+                assert group is not None
+            else:
+                group = new_group(dist.PrefixStore("pg", store), mine.index(self.rank), size,
+                                  max(self.timeout, 30.0), self.device)
             child = Comm(group, mine.index(self.rank), size, store=store,
                          timeout=self.timeout, heartbeat=self._heartbeat is not None,
                          device=self.device)
         self._children.append(child)
         return child
+
+    def _is_default_group(self) -> bool:
+        return (self.group is not None and dist.is_initialized()
+                and self.group is dist.distributed_c10d._get_default_group())
 
     def node_groups(self, local_world_size: int | None = None) -> NodeGroups:
         """This rank's node group (the processes of its node) and cross-node group (the
