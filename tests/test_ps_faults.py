@@ -20,7 +20,7 @@ from helpers import make_data, make_model
 from stratagem.comm import Comm
 from stratagem.errors import ParameterServerUnavailable
 from stratagem.launcher import start_ps_shards
-from stratagem.ps.client import PSClient
+from stratagem.ps.transport import PSClient
 from stratagem.strategies.parameter_server import ParameterServer
 
 
@@ -55,7 +55,7 @@ def _worker(index: int, steps: int, addrs: list[str], die_at: int | None = None
 
 
 def _shard_state(addrs: list[str]) -> tuple[dict[str, torch.Tensor], int]:
-    from stratagem.ps.client import ShardedParameters
+    from stratagem.ps.table import ShardedParameters
 
     with PSClient(addrs, timeout=10) as client:
         table = ShardedParameters(client, dict(make_model().named_parameters()), mode="elastic")

@@ -29,8 +29,9 @@ from torch.testing import assert_close
 
 from stratagem.launcher import child_pythonpath, start_ps_shards
 from stratagem.ps import wire
-from stratagem.ps.client import PSClient, RemoteError, ShardedParameters
 from stratagem.ps.server import ShardServer
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient, RemoteError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -572,7 +573,7 @@ def test_launcher_shards_get_a_fresh_token_through_a_private_file() -> None:
                 anon.shutdown()
             assert info.value.code == "UNAUTHENTICATED"
         # A worker built from the environment the launcher hands out is served.
-        code = ("from stratagem.ps.client import PSClient\nimport os\n"
+        code = ("from stratagem.ps.transport import PSClient\nimport os\n"
                 "c = PSClient(os.environ['STRATAGEM_PS_ADDRS'].split(','), timeout=10)\n"
                 "print(c.health()[0]['ok'])\n")
         child = {k: v for k, v in os.environ.items() if not k.startswith("STRATAGEM_PS")}
