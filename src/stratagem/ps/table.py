@@ -501,6 +501,21 @@ class ShardedParameters:
                                for s, parts in sorted(self._by_shard(names).items())]
         self.client.submit(reqs, lambda ms: None).result()
 
+    def set_optimizer_specs(self, specs: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace the optimizer specs of the tensors named in ``specs``, locally: they take
+        effect with the next :meth:`set_state` (e.g. restoring an optimizer checkpoint whose
+        hyperparameters differ from the registered ones). Use :meth:`set_hyperparameters` to
+        change running shards directly."""
+        checked: dict[str, dict[str, Any]] = {}
+        for name, spec in specs.items():
+            self._check(name)
+            if self.mode == "elastic":
+                raise ValueError(f"{name!r} is an elastic (EASGD center) tensor: it has no "
+                                 "optimizer on the shards, so no spec to set")
+            ps_optim.validate_spec(spec)
+            checked[name] = dict(spec)
+        self._specs.update(checked)
+
     def get_state(self) -> dict[str, Any]:
         """Everything needed to restore the shards, independent of the placement.
 
