@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ __all__ = ["FaultyComm", "InjectedFault", "OPS"]
 OPS = ("all_reduce", "broadcast", "all_gather")
 
 _KINDS = ("fail", "stall")
+V = TypeVar("V")
 
 
 class InjectedFault(Exception):
@@ -181,6 +182,27 @@ class _FaultyGroup(dist.ProcessGroup):
 
     def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
         return self._owner._issue("all_gather", self._inner.allgather, args, kwargs)
+
+
+class _Shared(Generic[V]):
+    """An attribute of the wrapped Comm (``obj._inner``), read and written through."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> _Shared[V]: ...
+
+    @overload
+    def __get__(self, obj: FaultyComm, objtype: type | None = None) -> V: ...
+
+    def __get__(self, obj: FaultyComm | None, objtype: type | None = None) -> V | _Shared[V]:
+        if obj is None:
+            return self
+        return getattr(obj._inner, self._name)  # type: ignore[no-any-return]
+
+    def __set__(self, obj: FaultyComm, value: V) -> None:
+        setattr(obj._inner, self._name, value)
 
 
 class FaultyComm(Comm):
@@ -337,61 +359,15 @@ class FaultyComm(Comm):
     def store(self, value: dist.Store | None) -> None:
         self._inner.store = value
 
-    @property  # type: ignore[override]
-    def rank(self) -> int:
-        return self._inner.rank
-
-    @rank.setter
-    def rank(self, value: int) -> None:
-        self._inner.rank = value
-
-    @property  # type: ignore[override]
-    def world_size(self) -> int:
-        return self._inner.world_size
-
-    @world_size.setter
-    def world_size(self, value: int) -> None:
-        self._inner.world_size = value
-
-    @property  # type: ignore[override]
-    def timeout(self) -> float:
-        return self._inner.timeout
-
-    @timeout.setter
-    def timeout(self, value: float) -> None:
-        self._inner.timeout = value
-
-    @property  # type: ignore[override]
-    def bytes_sent(self) -> int:
-        return self._inner.bytes_sent
-
-    @bytes_sent.setter
-    def bytes_sent(self, value: int) -> None:
-        self._inner.bytes_sent = value
-
-    @property  # type: ignore[override]
-    def bytes_received(self) -> int:
-        return self._inner.bytes_received
-
-    @bytes_received.setter
-    def bytes_received(self, value: int) -> None:
-        self._inner.bytes_received = value
-
-    @property  # type: ignore[override]
-    def seconds(self) -> float:
-        return self._inner.seconds
-
-    @seconds.setter
-    def seconds(self, value: float) -> None:
-        self._inner.seconds = value
-
-    @property  # type: ignore[override]
-    def num_collectives(self) -> int:
-        return self._inner.num_collectives
-
-    @num_collectives.setter
-    def num_collectives(self, value: int) -> None:
-        self._inner.num_collectives = value
+    # The wrapped Comm's state, read and written through (its heartbeat reports its own
+    # num_collectives, which Comm's collectives advance on this object).
+    rank: _Shared[int] = _Shared()
+    world_size: _Shared[int] = _Shared()
+    timeout: _Shared[float] = _Shared()
+    bytes_sent: _Shared[int] = _Shared()
+    bytes_received: _Shared[int] = _Shared()
+    seconds: _Shared[float] = _Shared()
+    num_collectives: _Shared[int] = _Shared()
 
     def on_close(self, callback: Callable[[], None]) -> None:
         self._inner.on_close(callback)
