@@ -16,7 +16,7 @@ from typing import Any
 # already imported by its package, and placement users need not load grpc.
 _EXPORTS = {
     "PSClient": "transport", "PSFuture": "transport", "RemoteError": "transport",
-    "PushOutcome": "table", "ShardedParameters": "table",
+    "PushOutcome": "table", "ShardedParameters": "table", "PSLink": "link",
     "ShardServer": "server", "serve": "server", "start_local_shards": "server",
     "optimizer_spec": "optim",
     "FixedShardsPartitioner": "placement", "MinSizePartitioner": "placement",
@@ -31,6 +31,7 @@ __all__ = [
     "PushOutcome",
     "RemoteError",
     "ShardedParameters",
+    "PSLink",
     "ShardServer",
     "serve",
     "start_local_shards",

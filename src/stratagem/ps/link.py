@@ -30,9 +30,10 @@ __all__ = ["PSLink"]
 
 class PSLink:
     """The shards at ``addresses`` (as :func:`stratagem.ps.addresses.shard_addresses` returns
-    them; empty for a strategy in a mode that uses no shards), connected on first use with ``timeout`` as every call's deadline and ``token``
-    (default: ``STRATAGEM_PS_TOKEN`` / ``STRATAGEM_PS_TOKEN_FILE``, see
-    :func:`stratagem.ps.auth.resolve_token`). Shard traffic is counted in ``comm``.
+    them; empty for a strategy in a mode that uses no shards), connected on first use with
+    ``timeout`` as every call's deadline and ``token`` (default: ``STRATAGEM_PS_TOKEN`` /
+    ``STRATAGEM_PS_TOKEN_FILE``, see :func:`stratagem.ps.auth.resolve_token`). Shard traffic
+    is counted in ``comm``.
 
     On failure: :meth:`connect` raises ``ParameterServerUnavailable`` naming the shard that
     did not answer within ``timeout``; calls through the tables raise as

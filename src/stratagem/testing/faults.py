@@ -206,12 +206,28 @@ class _Shared(Generic[V]):
 
 
 class FaultyComm(Comm):
-    """A :class:`Comm` over ``comm``'s process group whose collectives fail or stall on cue
-    (see the module docstring for the exact semantics); accepted wherever a ``Comm`` is,
-    e.g. ``sg.Mirrored(comm=FaultyComm(comm).fail_at(op="all_reduce", call=3, peer=1))``.
+    """A :class:`Comm` over ``comm``'s process group whose collectives fail or stall on cue;
+    accepted wherever a ``Comm`` is, e.g.
+    ``sg.Mirrored(comm=FaultyComm(comm).fail_at(op="all_reduce", call=3, peer=1))``.
+
+    - ``fail_at(op=, call=, peer=)``: from this rank's ``call``-th ``op`` on, rank ``peer`` is
+      dead. ``peer`` raises :class:`InjectedFault`; the other ranks' collective fails as on a
+      dropped connection and the ordinary diagnosis raises ``PeerTimeoutError`` naming
+      ``peer`` (whose heartbeat reads as frozen). Declare it on every rank.
+    - ``stall_at(op=, call=, seconds=, rank=)``: rank ``rank`` (default: this one) joins
+      that call ``seconds`` late, alive but one collective behind; the others time out after
+      ``comm.timeout`` and name it as stalled.
+
+    ``op`` is ``"all_reduce"`` (also ``all_reduce_async``, barriers, coalesced variants and
+    each DDP bucket), ``"broadcast"`` or ``"all_gather"``; ``call`` counts from 1 per rank
+    and op. The faults fire on every path, DDP's C++ reducer included: ``group`` is a Python
+    ``ProcessGroup`` forwarding to the real one, which torch calls through its trampoline (so
+    ``Mirrored``'s built-in fast path is tested as it runs, not forced onto its hook path);
+    the real group's timeout is set to ``comm.timeout`` so DDP's own waits are bounded by it.
 
     It shares ``comm``'s state (counters, heartbeat, store, timeout, close): closing either
-    closes both. The declarations return ``self`` so they chain.
+    closes both. The declarations return ``self`` so they chain. Run threads with
+    ``run_ranks(..., heartbeat=True)`` so the diagnosis can tell dead from stalled.
     """
 
     def __init__(self, comm: Comm) -> None:
@@ -306,14 +322,17 @@ class FaultyComm(Comm):
     # through the reducer into ``backward``, whereas a Python work object handed to the C++
     # reducer crashed the process (torch 2.13).
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """:meth:`Comm.all_reduce`, subject to the declared faults."""
         with self._blocking():
             return super().all_reduce(tensor, op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """:meth:`Comm.broadcast`, subject to the declared faults."""
         with self._blocking():
             return super().broadcast(tensor, src)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`Comm.all_gather`, subject to the declared faults."""
         with self._blocking():
             return super().all_gather(tensor)
 
