@@ -62,7 +62,6 @@ __all__ = ["FaultyComm", "InjectedFault", "OPS"]
 #: The operations a fault can target: the collectives ``Comm`` and DDP issue on the group.
 OPS = ("all_reduce", "broadcast", "all_gather")
 
-_KINDS = ("fail", "stall")
 V = TypeVar("V")
 
 
@@ -89,8 +88,9 @@ def _check_int(name: str, value: Any, low: int) -> int:
 
 
 class _FailedWork(dist.Work):
-    """A collective that failed at once: ``wait`` raises, the future holds the error (what
-    DDP's reducer and ``Comm.all_reduce_async`` read)."""
+    """A collective that failed at once, for Comm's blocking collectives: ``wait`` raises
+    inside ``Comm._wait``, which diagnoses it. (Never handed to DDP's C++ reducer: a Python
+    work object there crashed the process on torch 2.13; that path gets the error raised.)"""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__()
