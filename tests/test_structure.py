@@ -32,10 +32,6 @@ KNOWN_VIOLATION_PLACES = ("stratagem.strategies", "stratagem.ps", "stratagem.com
 #: (module, what it uses) -> why it is still there. Only shrinks: the lead empties it as
 #: strategies/ and ps/ move onto the sync parts and the public state protocol.
 KNOWN_PRIVATE_USES: dict[tuple[str, str], str] = {
-    # ps/ split (another branch): the client serialises optimizer hyperparameters with the
-    # helper ps/optim.py keeps private.
-    ("stratagem.ps.client", "ps_optim._jsonable"):
-        "ps.optim's JSON conversion of hyperparameters; to be made public by the ps/ split",
 }
 
 
