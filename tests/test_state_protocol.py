@@ -168,9 +168,11 @@ def test_a_strategy_whose_module_is_missing_is_absent_not_an_error(monkeypatch):
     assert not registry.is_available(ghost)
     assert "ghost" not in registry.strategy_names()
     assert "Ghost" not in registry.lazy_exports()
-    with pytest.raises(ImportError, match="'ghost' is registered but its module "
-                                          "stratagem.strategies.no_such_ghost is not installed"):
+    with pytest.raises(ValueError, match="'ghost' is registered but its module "
+                                         "stratagem.strategies.no_such_ghost is not installed"):
         registry.from_name("ghost")
+    with pytest.raises(ValueError, match="'ghost' is registered"):
+        registry.canonical_name("Ghost")  # what `stratagem run --strategy` checks up front
     with pytest.raises(ValueError, match="unknown strategy 'phantom'; valid names: diloco"):
         registry.from_name("phantom")
 
