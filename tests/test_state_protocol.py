@@ -185,6 +185,11 @@ def test_importing_stratagem_with_the_new_strategies_missing():
             "    there = importlib.util.find_spec('stratagem.strategies.' + mod) is not None\n"
             "    assert (name in sg.strategy_names()) == there\n"
             "    assert hasattr(sg, pub) == there, pub\n"
+            "    if not there:\n"
+            "        try:\n"
+            "            getattr(sg, pub)\n"
+            "        except AttributeError as exc:\n"
+            "            assert 'registered but stratagem.strategies.' in str(exc), exc\n"
             "from stratagem import *  # every name in __all__ resolves\n"
             "print(len(sg.strategy_names()))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
