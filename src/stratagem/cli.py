@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 from .ps.flags import add_shard_arguments, nonneg_int
+from .validation import int_argument
 
 __all__ = ["main", "subcommand", "build_parser", "torchrun_command", "parse_strategy_args"]
 
@@ -97,16 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------- run
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be >= 1, got {value}; pass the number of worker processes per node, "
-            "e.g. --nproc 2")
-    return value
+_nproc = int_argument(minimum=1, fix="pass the number of worker processes per node, e.g. "
+                                     "--nproc 2")
 
 
 
@@ -201,7 +194,7 @@ def torchrun_command(args: argparse.Namespace, *, master_port: int | None = None
 
 
 def _configure_run(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=_positive_int, required=True,
+    p.add_argument("--nproc", type=_nproc, required=True,
                    help="worker processes on this node")
     p.add_argument("--num-ps", type=nonneg_int, default=0,
                    help="parameter-server shard processes to start first (single node)")
