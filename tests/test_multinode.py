@@ -122,6 +122,14 @@ def check_consensus(reports: list[dict[str, Any]], topo: Topology) -> None:
         assert r["env"]["GLOO_SOCKET_IFNAME"] == topo.node_ifname(node), r["env"]
         torch.testing.assert_close(_tensors(r["final"]), _tensors(reports[0]["final"]),
                                    rtol=0, atol=1e-6, msg=f"rank {rank} differs from rank 0")
+        # Issue 12: nothing of the job listens on every interface; the store (node 0) and gloo
+        # listen on the node's own address only (the node's namespace also has loopback).
+        wild = [a for a in r["listening"] if a[0] in ("0.0.0.0", "::")]
+        assert not wild, (rank, r["listening"])
+        assert {a for a, _ in r["listening"]} <= {topo.node_ip(node), "127.0.0.1"}, r
+        assert any(a == topo.node_ip(node) for a, _ in r["listening"]), r  # gloo was found
+    store = [p for a, p in reports[0]["listening"] if p == PORT]
+    assert store == [PORT], ("node 0's store not found on its address", reports[0]["listening"])
     moved = max((_tensors(reports[0]["final"])[k] - _tensors(reports[0]["initial"])[k])
                 .abs().max().item() for k in reports[0]["final"])
     assert moved > 1e-3, "training did not change the model"
