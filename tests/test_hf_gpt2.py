@@ -38,7 +38,10 @@ STRATEGIES: dict[str, tuple[dict, bool]] = {
     "easgd-async": ({"period": 2, "moving_rate": 0.25}, True),
     "ps-sync": ({}, True),
     "ps-async": ({}, True),
+    "hierarchical": ({"inner": "mirrored", "outer": "diloco", "outer_period": 2}, False),
 }
+#: registry name -> (ranks, simulated nodes), where not (2, 1)
+LAYOUT: dict[str, tuple[int, int]] = {"hierarchical": (4, 2)}
 
 
 def test_every_registered_strategy_is_covered():
@@ -95,9 +98,10 @@ def test_gpt2_trains_and_loads_with_from_pretrained(name, tmp_path):
         if name == "one_device":
             results = [train_gpt2(sg.from_name(name, comm=Comm.single()), ckpt)]
         else:
+            world, nnodes = LAYOUT.get(name, (2, 1))
             results = run_ranks(lambda comm: train_gpt2(
-                sg.from_name(name, comm=comm, timeout=20, **kwargs), ckpt), 2,
-                timeout=50.0, comm_timeout=20.0)
+                sg.from_name(name, comm=comm, timeout=20, **kwargs), ckpt), world,
+                timeout=50.0, comm_timeout=20.0, nnodes=nnodes)
     finally:
         for s in servers:
             s.stop(0)

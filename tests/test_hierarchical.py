@@ -164,3 +164,74 @@ def test_from_name_routes_prefixed_arguments() -> None:
                       outer_outer_lr=0.5, comm=Comm.single())
     assert st.outer.period == 7 and st.outer.outer_lr == 0.5
     assert type(st.inner).__name__ == "Mirrored"
+
+
+def test_outer_elastic_averaging_sync() -> None:
+    """Hierarchical(Mirrored, EASGD sync): node replicas stay equal, the center is the
+    consensus, and the plain module loads it."""
+
+    def job(comm: Comm) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        st = sg.Hierarchical(inner=sg.Mirrored(),
+                             outer=sg.ElasticAveraging(period=2, moving_rate=0.3), comm=comm)
+        out = _train(st, 6)
+        return out, st.metrics()
+
+    results = run_ranks(job, 4, nnodes=2)
+    for state, m in results:
+        assert m["exchanges"] == 3 and m["moving_rate"] == 0.3
+        for k in results[0][0]:
+            assert_close(state[k], results[0][0][k])
+    with pytest.raises(ValueError, match="mode='sync', rho=0"):
+        run_ranks(lambda c: sg.Hierarchical(
+            outer=sg.ElasticAveraging(period=2, rho=0.1, moving_rate=0.1), comm=c).parts,
+            2, nnodes=2)
+
+
+def test_checkpoints_move_between_hierarchical_and_flat(tmp_path) -> None:
+    """Hierarchical(2 nodes x 2) -> Mirrored(3) -> Hierarchical(2 x 2): the consensus model
+    travels under the model's own names and loads into a plain module."""
+    first = str(tmp_path / "hier")
+    second = str(tmp_path / "flat")
+
+    def hier_save(comm: Comm) -> dict[str, torch.Tensor]:
+        st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=3, comm=comm)
+        model = _model()
+        model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(5):
+            x, y = _batch(comm.rank, step)
+            st.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        st.save(first, model=model, optimizer=opt, step=5)
+        return {k: v.clone() for k, v in st.eval_model(model).state_dict().items()}
+
+    saved = run_ranks(hier_save, 4, nnodes=2)[0]
+    plain = _model()
+    plain.load_state_dict(sg.checkpoint.load_model_state(first))
+    for k, v in plain.state_dict().items():
+        assert_close(v, saved[k])
+
+    def flat(comm: Comm) -> dict[str, torch.Tensor]:
+        st = sg.Mirrored(comm=comm)
+        model = _model()
+        model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        extra = st.restore(first, model=model, optimizer=opt)
+        assert extra["step"] == 5
+        st.save(second, model=model, optimizer=opt)
+        return {k: v.clone() for k, v in model.module.state_dict().items()} \
+            if hasattr(model, "module") else dict(model.state_dict())
+
+    for state in run_ranks(flat, 3):
+        for k in saved:
+            assert_close(state[k], saved[k])
+
+    def hier_load(comm: Comm) -> dict[str, torch.Tensor]:
+        st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=3, comm=comm)
+        model = _model()
+        model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        st.restore(second, model=model, optimizer=opt)
+        return {k: v.clone() for k, v in st.eval_model(model).state_dict().items()}
+
+    for state in run_ranks(hier_load, 4, nnodes=2):
+        for k in saved:
+            assert_close(state[k], saved[k])

@@ -276,7 +276,7 @@ def test_diloco_checkpoint_holds_outer_params_and_momentum_resumes_exactly(tmp_p
     (LocalSGD, {"warmup_steps": -1}, "warmup_steps must be an int >= 0, got -1"),
     (DiLoCo, {"period": 0}, "period must be an int >= 1, got 0"),
     (DiLoCo, {"outer_lr": 0}, "outer_lr must be a number > 0, got 0"),
-    (DiLoCo, {"outer_momentum": 1.0}, "outer_momentum must be in [0, 1), got 1.0"),
+    (DiLoCo, {"outer_momentum": 1.0}, "outer_momentum must be a number in [0, 1), got 1.0"),
     (DiLoCo, {"fragments": 0}, "fragments must be an int >= 1, got 0"),
     (DiLoCo, {"fragments": 5, "period": 4}, "got fragments=5 > period=4"),
     (DiLoCo, {"pseudo_grad_dtype": "fp8"}, "got 'fp8'"),

@@ -510,7 +510,10 @@ class Strategy:
         """The model users should keep, under the module's own names (collective): the
         module's state with each part's consensus values."""
         state = prepared.module.state_dict(keep_vars=True)
-        for part in self.parts:
+        # Outermost part first: it picks the values to keep (the outer parameters, an
+        # average); an inner part then turns them into whole tensors (a sharded inner part
+        # gathers its shards).
+        for part in reversed(self.parts):
             state = part.consensus(prepared, state)
         return {k: v.detach() for k, v in state.items()}
 

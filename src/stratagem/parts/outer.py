@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..comm import Comm, flatten, views
-from ..compression import COMPRESSIONS
+from ..compression import wire_dtype
 from .base import Part
 from .tensors import average_, dtype_groups, gather_ranks, load_rank, synced_tensors
 
@@ -97,7 +97,7 @@ class OuterStep(Part):
         self.period = period
         self.fragments = fragments
         self.factory = outer_optimizer
-        self.wire = COMPRESSIONS[compression] if compression is not None else None
+        self.wire = wire_dtype(compression)
         self.offsets = [k * period // fragments for k in range(fragments)]
         self.outer_steps = 0
 

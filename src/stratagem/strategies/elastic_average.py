@@ -38,6 +38,7 @@ from ..parts.tensors import load_rank as _load_rank
 from ..parts.tensors import synced_tensors as _synced_tensors
 from ..ps.addresses import shard_addresses
 from ..strategy import Prepared, Strategy, StrategyOptimizer
+from ..validation import check_bool, check_choice, check_int, check_number, check_optional_number
 
 if TYPE_CHECKING:
     from ..ps.client import PSClient, ShardedParameters
@@ -137,29 +138,24 @@ class ElasticAveraging(Strategy):
                  rho: float = 0.0, momentum: float = 0.0, mode: str = "sync",
                  average_buffers: bool = True, wait_for_all: bool = False,
                  ps_addresses: str | Sequence[str] | None = None, **common: Any) -> None:
-        self.period = _check_int("period", period, 1,
-                                 "pass the number of local steps between elastic exchanges, "
-                                 "e.g. period=10")
-        if moving_rate is not None and not _in_range(moving_rate, 0.0, 1.0, low_open=True):
-            raise ValueError(f"moving_rate must be a number in (0, 1], got {moving_rate!r}. "
-                             "Fix: pass e.g. moving_rate=0.05, or omit it for "
-                             "beta / (period * num_workers)")
-        if not _in_range(beta, 0.0, float("inf"), low_open=True):
-            raise ValueError(f"beta must be a number > 0, got {beta!r}. Fix: pass e.g. beta=0.9 "
-                             "(the paper's value)")
-        if not _in_range(rho, 0.0, float("inf")):
-            raise ValueError(f"rho must be a number >= 0, got {rho!r}. Fix: pass 0 (no elastic "
-                             "penalty in the gradient) or e.g. rho=moving_rate / lr")
-        if not _in_range(momentum, 0.0, 1.0, high_open=True):
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}. Fix: pass 0 (EASGD) "
-                             "or e.g. momentum=0.9 (EAMSGD)")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}. Fix: pass "
-                             "mode='sync' (center replicated) or mode='async' (center on "
-                             "parameter-server shards)")
-        for flag, value in (("average_buffers", average_buffers), ("wait_for_all", wait_for_all)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag} must be True or False, got {value!r}")
+        self.period = check_int("period", period, minimum=1,
+                                fix="pass the number of local steps between elastic exchanges, "
+                                    "e.g. period=10")
+        check_optional_number("moving_rate", moving_rate, low=0.0, high=1.0, low_open=True,
+                              fix="pass e.g. moving_rate=0.05, or omit it for "
+                                  "beta / (period * num_workers)")
+        check_number("beta", beta, low=0.0, low_open=True,
+                     fix="pass e.g. beta=0.9 (the paper's value)")
+        check_number("rho", rho, low=0.0,
+                     fix="pass 0 (no elastic penalty in the gradient) or e.g. "
+                         "rho=moving_rate / lr")
+        check_number("momentum", momentum, low=0.0, high=1.0, high_open=True,
+                     fix="pass 0 (EASGD) or e.g. momentum=0.9 (EAMSGD)")
+        check_choice("mode", mode, _MODES,
+                     fix="pass mode='sync' (center replicated) or mode='async' (center on "
+                         "parameter-server shards)")
+        check_bool("average_buffers", average_buffers)
+        check_bool("wait_for_all", wait_for_all)
         addresses: list[str] = []
         if mode == "async":
             addresses = shard_addresses(ps_addresses, who="ElasticAveraging(mode='async')")
@@ -504,18 +500,3 @@ class ElasticAveraging(Strategy):
             self._client.close()
             self._client = None
         super().close()
-
-
-def _check_int(name: str, value: Any, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}. Fix: {fix}")
-    return value
-
-
-def _in_range(value: Any, low: float, high: float, *, low_open: bool = False,
-              high_open: bool = False) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    above = value > low if low_open else value >= low
-    below = value < high if high_open else value <= high
-    return above and below

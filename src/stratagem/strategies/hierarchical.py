@@ -25,6 +25,7 @@ from ..comm import Comm
 from ..parts import Part
 from ..registry import from_name
 from ..strategy import Strategy
+from ..validation import check_int
 
 __all__ = ["Hierarchical"]
 
@@ -99,11 +100,10 @@ class Hierarchical(Strategy):
                 common[key] = value
             else:
                 routed[prefix[:-1]][key[len(prefix):]] = value
-        if local_world_size is not None and (
-                isinstance(local_world_size, bool) or not isinstance(local_world_size, int)
-                or local_world_size < 1):
-            raise ValueError(f"local_world_size must be an int >= 1 (processes per node), got "
-                             f"{local_world_size!r}. Fix: omit it to use LOCAL_WORLD_SIZE")
+        if local_world_size is not None:
+            check_int("local_world_size", local_world_size, minimum=1,
+                      fix="pass the number of processes per node, or omit it to use "
+                          "LOCAL_WORLD_SIZE")
         self.inner = _build(inner, "inner", routed["inner"])
         self.outer = _build(outer, "outer", routed["outer"])
         self.local_world_size = local_world_size

@@ -25,18 +25,13 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..compression import COMPRESSIONS
+from ..compression import check_compression
 from ..parts import OuterStep, ParameterAveraging, Part
 from ..parts.outer import OuterOptimizerFactory
 from ..strategy import Strategy
+from ..validation import check_int, check_number
 
 __all__ = ["LocalSGD", "DiLoCo"]
-
-
-def _check_int(name: str, value: Any, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}. Fix: {fix}")
-    return value
 
 
 # ---------------------------------------------------------------------- LocalSGD
@@ -66,11 +61,13 @@ class LocalSGD(Strategy):
     _local_optimizer_state = True
 
     def __init__(self, *, period: int = 8, warmup_steps: int = 0, **common: Any) -> None:
-        self.period = _check_int("period", period, 1,
-                                 "pass the number of local steps between averages, e.g. period=8")
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0,
-                                       "pass 0 for no warm-up, or the number of initial steps "
-                                       "to average after every step")
+        self.period = check_int(
+            "period", period, minimum=1,
+            fix="pass the number of local steps between averages, e.g. period=8")
+        self.warmup_steps = check_int(
+            "warmup_steps", warmup_steps, minimum=0,
+            fix="pass 0 for no warm-up, or the number of initial steps to average after every "
+                "step")
         super().__init__(**common)
 
     def _build_parts(self, comm: Comm) -> list[Part]:
@@ -120,22 +117,20 @@ class DiLoCo(Strategy):
                  outer_optimizer: OuterOptimizerFactory | None = None, fragments: int = 1,
                  compression: str | None = None, pseudo_grad_dtype: str | None = None,
                  **common: Any) -> None:
-        self.period = _check_int("period", period, 1,
-                                 "pass the number of inner steps between outer steps, e.g. 500")
-        self.fragments = _check_int("fragments", fragments, 1,
-                                    "pass 1 for plain DiLoCo, or k > 1 for streaming DiLoCo")
+        self.period = check_int(
+            "period", period, minimum=1,
+            fix="pass the number of inner steps between outer steps, e.g. 500")
+        self.fragments = check_int(
+            "fragments", fragments, minimum=1,
+            fix="pass 1 for plain DiLoCo, or k > 1 for streaming DiLoCo")
         if fragments > period:
             raise ValueError(f"fragments must be <= period so that fragments sync on distinct "
                              f"steps, got fragments={fragments} > period={period}. Fix: lower "
                              "fragments or raise period")
-        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or \
-                not outer_lr > 0:
-            raise ValueError(f"outer_lr must be a number > 0, got {outer_lr!r}. Fix: pass e.g. "
-                             "outer_lr=0.7 (the DiLoCo paper's value)")
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or \
-                not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}. Fix: "
-                             "pass e.g. outer_momentum=0.9, or 0 for plain outer SGD")
+        check_number("outer_lr", outer_lr, low=0.0, low_open=True,
+                     fix="pass e.g. outer_lr=0.7 (the DiLoCo paper's value)")
+        check_number("outer_momentum", outer_momentum, low=0.0, high=1.0, high_open=True,
+                     fix="pass e.g. outer_momentum=0.9, or 0 for plain outer SGD")
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise TypeError(f"outer_optimizer must be a factory params -> torch.optim."
                             f"Optimizer, got {type(outer_optimizer).__name__}. Fix: pass e.g. "
@@ -150,9 +145,7 @@ class DiLoCo(Strategy):
                           "(one keyword for every strategy's wire compression)",
                           DeprecationWarning, stacklevel=2)
             compression = pseudo_grad_dtype
-        if compression is not None and compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be None, 'bf16' or 'fp16', got "
-                             f"{compression!r}. Fix: pass None (full precision) or 'bf16'")
+        check_compression(compression)
         super().__init__(**common)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)

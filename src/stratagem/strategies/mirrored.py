@@ -12,13 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm import Comm
+from ..compression import check_compression
 from ..parts import GradientSync, Part
 from ..strategy import Strategy
+from ..validation import check_number
 
 __all__ = ["Mirrored"]
-
-_COMPRESSION = (None, "fp16", "bf16")
-
 
 class Mirrored(Strategy):
     """Synchronous all-reduce data parallelism (one replica per process).
@@ -43,14 +42,13 @@ class Mirrored(Strategy):
     def __init__(self, *, bucket_cap_mb: float = 25, compression: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False,
                  **kwargs: Any) -> None:
-        if compression not in _COMPRESSION:
-            raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+        check_compression(compression)
         if error_feedback and compression is None:
             raise ValueError("error_feedback=True needs a lossy compression, got "
                              "compression=None; pass compression='fp16' or 'bf16', or drop "
                              "error_feedback")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        check_number("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True,
+                     fix="pass DDP's bucket size in MiB, e.g. 25")
         super().__init__(**kwargs)
         self.bucket_cap_mb = bucket_cap_mb
         self.compression = compression
