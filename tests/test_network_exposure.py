@@ -247,6 +247,24 @@ def test_run_refuses_exposed_or_incomplete_addresses(
     assert re.search(message, capsys.readouterr().err, re.S), argv
 
 
+def test_multi_node_run_pins_collectives_to_the_route_to_the_master() -> None:
+    """Issue 12: the interface comes from the route to --master-addr (loopback here, standing
+    in for the private network), a user's GLOO_SOCKET_IFNAME is kept, --iface wins over it."""
+    if not loopback_env({}):
+        pytest.skip("no loopback interface named lo/lo0 on this machine")
+    parser = cli.build_parser()
+    multi = ["run", "--nproc", "2", "--nnodes", "2", "--node-rank", "1",
+             "--master-addr", "127.0.0.1"]
+    env: dict[str, str] = {}
+    assert cli.network_env(parser.parse_args([*multi, "t.py"]), env) is None
+    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    env = {"GLOO_SOCKET_IFNAME": "eth9"}
+    assert cli.network_env(parser.parse_args([*multi, "t.py"]), env) is None
+    assert env == {"GLOO_SOCKET_IFNAME": "eth9", "NCCL_SOCKET_IFNAME": "lo"}
+    assert cli.network_env(parser.parse_args([*multi, "--iface", "lo", "t.py"]), env) is None
+    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def test_worker_env_pins_collectives_to_loopback_unless_set() -> None:
     if not loopback_env({}):
         pytest.skip("no loopback interface named lo/lo0 on this machine")
