@@ -413,3 +413,20 @@ def test_plain_env_rank0_hosts_a_loopback_store(tmp_path: Path) -> None:
     assert not _non_loopback(listeners), "\n".join(_non_loopback(listeners))
     assert port in _ports(listeners, procs[0].pid), listeners
     assert reports[0]["sum"] == 2.0
+
+
+def test_rank0_store_from_env_binds_master_addr_only(monkeypatch):
+    """Comm.from_env hosting the store itself (no launcher agent) binds MASTER_ADDR only: an
+    address this machine does not hold is an error naming it, never a listener on every
+    interface (192.0.2.1 is TEST-NET-1, assigned to nobody)."""
+    import errno
+
+    from stratagem.comm import Comm
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "192.0.2.1",
+                       "MASTER_PORT": "29577"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(OSError, match="192.0.2.1") as info:
+        Comm.from_env(timeout=5)
+    assert info.value.errno == errno.EADDRNOTAVAIL

@@ -33,7 +33,7 @@ import torch.distributed as dist
 # gloo group that outlives the interpreter aborts the process (see ``release_all``).
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
-from ._rendezvous import is_loopback, loopback_tcp_store
+from ._rendezvous import bound_tcp_store
 from .errors import PeerTimeoutError
 
 __all__ = ["Comm", "NodeGroups", "new_group", "release_all", "live_backend_threads"]
@@ -328,11 +328,12 @@ class Comm:
         port = int(os.environ["MASTER_PORT"])
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         base: dist.Store
-        if rank == 0 and not agent_store and is_loopback(host):
-            # Issue 10: rank 0 hosts the store itself; torch's TCPStore would listen on every
-            # interface although every peer is on this machine.
-            base = loopback_tcp_store(host, port, world_size=world_size,
-                                      timeout=timedelta(seconds=timeout))
+        if rank == 0 and not agent_store:
+            # Issues 10 and 12: rank 0 hosts the store itself on MASTER_ADDR only; torch's
+            # TCPStore would listen on every interface (on one machine every peer is on
+            # loopback; on several, they reach node 0's address on their shared network).
+            base = bound_tcp_store(host, port, world_size=world_size,
+                                   timeout=timedelta(seconds=timeout))
         else:
             base = dist.TCPStore(
                 host, port, world_size, is_master=(rank == 0 and not agent_store),
