@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from stratagem.compression import KINDS, check_compression
 from stratagem.errors import PeerTimeoutError
 from stratagem.ps import optim as ps_optim
 from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
@@ -26,7 +27,6 @@ from stratagem.ps.wire import Entry, Message
 
 __all__ = ["ShardedParameters", "PushOutcome", "PushFetch"]
 
-_COMPRESS = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _STATUS_RANK = {"applied": 0, "accumulated": 1, "dropped": 2}
 
 
@@ -277,9 +277,7 @@ class ShardedParameters:
         """Push gradients and fetch ``fetch`` (tensor names) in one round trip per shard:
         each shard applies the push, then answers with the values after it (a Downpour step).
         """
-        if compress not in _COMPRESS:
-            raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
-        cdtype = _COMPRESS[compress]
+        cdtype = KINDS[check_compression(compress, name="compress")]
         names = list(grads)
         fetch_names = [] if fetch is None else list(fetch)
         by_shard = self._by_shard(names)
@@ -390,11 +388,9 @@ class ShardedParameters:
                           max_staleness: int | None = None) -> PSFuture[PushOutcome]:
         """Start :meth:`push_sparse`. In ``"sync"`` mode every part of a partitioned tensor
         gets a (possibly empty) push, so every part's version advances together."""
-        if compress not in _COMPRESS:
-            raise ValueError(f"compress must be None, 'fp16' or 'bf16', got {compress!r}")
+        cdtype = KINDS[check_compression(compress, name="compress")]
         routed = self._row_parts(name, indices, every_part=self.mode == "sync")
         values = values.reshape(-1, *self._shapes[name][1:])
-        cdtype = _COMPRESS[compress]
         if cdtype is not None:
             values = values.to(cdtype)
         ms = self.max_staleness if max_staleness is None else max_staleness

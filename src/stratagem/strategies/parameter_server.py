@@ -35,6 +35,7 @@ from ..ps import optim as ps_optim
 from ..ps.addresses import shard_addresses
 from ..ps.link import PSLink
 from ..strategy import Prepared, Strategy, StrategyOptimizer
+from ..validation import check_int
 
 if TYPE_CHECKING:
     from ..ps.placement import Partitioner
@@ -708,7 +709,4 @@ class ParameterServer(Strategy):
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}. Fix: pass e.g. "
-                         f"{name}=1")
-    return value
+    return check_int(name, value, minimum=1, fix=f"pass e.g. {name}=1")
