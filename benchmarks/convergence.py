@@ -417,7 +417,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     out.update({k: chief[k] for k in ("curve", "final_accuracy", "reached", "steps",
                                        "wall_seconds", "bytes_per_step",
                                        "bytes_sent_per_step", "comm_seconds",
-                                       "num_parameters")})
+                                       "num_parameters", "metrics")})
     out["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
     out["worker_steps"] = [r["steps"] for r in ranks]
     return out

@@ -45,8 +45,9 @@ import grpc
 import torch
 
 from stratagem.ps import wire
-from stratagem.ps.client import PSClient, ShardedParameters
 from stratagem.ps.placement import greedy, specs_of
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RAW_SERVICE = "stratagem.bench.Raw"

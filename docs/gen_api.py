@@ -24,9 +24,10 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
     ("stratagem.data", "stratagem.data — input sharding", None),
     ("stratagem.checkpoint", "stratagem.checkpoint — checkpoint files",
      ["read_extras", "load_model_state"]),
-    ("stratagem.testing", "stratagem.testing — running ranks as threads", None),
+    ("stratagem.testing", "stratagem.testing — running ranks as threads, injecting faults",
+     None),
     ("stratagem.ps", "stratagem.ps — the parameter-server runtime",
-     ["PSClient", "ShardedParameters", "PushOutcome", "ShardServer", "serve",
+     ["PSClient", "ShardedParameters", "PushOutcome", "PSLink", "ShardServer", "serve",
       "start_local_shards", "optimizer_spec"]),
 ]
 

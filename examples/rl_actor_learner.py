@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 import stratagem as sg
-from stratagem.ps.client import PSClient, ShardedParameters
 from stratagem.ps.optim import optimizer_spec
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient
 
 CONTEXT, ARMS = 4, 4
 LEARNER = 0

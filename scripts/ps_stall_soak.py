@@ -30,7 +30,8 @@ import torch
 
 from stratagem.launcher import child_pythonpath
 from stratagem.ps import wire
-from stratagem.ps.client import PSClient, ShardedParameters
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient
 
 TOKEN = "soak-token"
 

@@ -50,3 +50,16 @@ def assert_states_close(a, b, atol=1e-5, rtol=1e-5):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def train_briefly(strategy, steps: int = 3):
+    """Prepare a small MLP and take ``steps`` steps on random data (for tests about what
+    surrounds training: closing, exiting); returns ``(model, optimizer)``."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = strategy.prepare(model, opt)
+    for _ in range(steps):
+        strategy.backward(F.cross_entropy(model(torch.randn(4, 6)), torch.randint(0, 2, (4,))))
+        opt.step()
+        opt.zero_grad()
+    return model, opt

@@ -64,7 +64,7 @@ def test_dtype_drift_in_reduce_raises_on_every_replica() -> None:
 
 def test_failing_checkpoint_write_raises_everywhere_and_keeps_the_previous(tmp_path, monkeypatch
                                                                            ) -> None:
-    import stratagem.checkpoint as ckpt
+    import stratagem.checkpoint.storage as storage
 
     def fn(comm, fail):
         s = sg.Mirrored(comm=comm)
@@ -79,14 +79,14 @@ def test_failing_checkpoint_write_raises_everywhere_and_keeps_the_previous(tmp_p
         return "no error"
 
     assert run_ranks(fn, 2, args=(False,)) == ["saved", "saved"]
-    real = ckpt._fsync_write
+    real = storage._fsync_write
 
     def disk_full(path: Path, data: bytes) -> str:
         if path.name == "rng.rank1.safetensors":
             raise OSError(28, "No space left on device")
         return real(path, data)
 
-    monkeypatch.setattr(ckpt, "_fsync_write", disk_full)
+    monkeypatch.setattr(storage, "_fsync_write", disk_full)
     messages = run_ranks(fn, 2, args=(True,))
     assert "No space left" in messages[0] and "rank 0" in messages[1]
     monkeypatch.undo()

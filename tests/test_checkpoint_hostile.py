@@ -25,7 +25,8 @@ from helpers import make_model
 from torch import nn
 
 import stratagem as sg
-import stratagem.checkpoint as ckpt
+import stratagem.checkpoint.format as ckpt_format
+import stratagem.checkpoint.storage as ckpt_storage
 from stratagem.checkpoint import load_pt, read_extras, read_safetensors
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,7 +112,7 @@ def test_planted_entries_inside_our_versions_dir_are_never_deleted(tmp_path: Pat
     leftovers = [p for p in versions.rglob("user-notes.txt")]
     assert len(leftovers) == 1 and leftovers[0].read_text() == "mine"
     assert not any(p.name == "model.safetensors" for p in leftovers[0].parent.iterdir())
-    mine = [d for d in versions.iterdir() if ckpt._is_our_version(d)]
+    mine = [d for d in versions.iterdir() if ckpt_storage._is_our_version(d)]
     assert mine == [(tmp_path / "ck").resolve()]
 
 
@@ -299,7 +300,7 @@ def test_pt_with_too_many_members_or_legacy_format_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.save({"w": torch.ones(4)}, tmp_path / "ok.pt")
     assert load_pt(tmp_path / "ok.pt")["w"].tolist() == [1.0] * 4
-    monkeypatch.setattr(ckpt, "MAX_PT_MEMBERS", 2)
+    monkeypatch.setattr(ckpt_format, "MAX_PT_MEMBERS", 2)  # where load_pt reads it
     with pytest.raises(sg.CheckpointError, match=r"ok.pt holds \d+ zip members, over the limit "
                                                  r"of 2.*Fix"):
         load_pt(tmp_path / "ok.pt")
@@ -385,7 +386,7 @@ def test_bad_rng_fields_are_a_checkpoint_error(tmp_path: Path, rng: Any) -> None
     s, model = _saver()
     s.save(tmp_path / "ck", model=model)
     _replace_member((tmp_path / "ck").resolve(), "rng.rank0.safetensors",
-                    ckpt._pack(rng, "test"))
+                    ckpt_format.pack(rng, "test"))
     with pytest.raises(sg.CheckpointError, match="rng.rank0.safetensors"):
         s.restore(tmp_path / "ck", model=model)
 
@@ -415,7 +416,7 @@ def test_optimizer_state_that_does_not_fit_is_a_checkpoint_error(tmp_path: Path)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         model, opt = s.prepare(m, opt)
     s.save(tmp_path / "ck", model=model, optimizer=opt)
-    bad = ckpt._pack({"state": {}, "param_groups": [{"params": [0]}]}, "test")
+    bad = ckpt_format.pack({"state": {}, "param_groups": [{"params": [0]}]}, "test")
     _replace_member((tmp_path / "ck").resolve(), "optimizer.safetensors", bad)
     with pytest.raises(sg.CheckpointError, match="does not fit the .*Fix"):
         s.restore(tmp_path / "ck", model=model, optimizer=opt)

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from helpers import train_briefly
 
 import stratagem as sg
 from stratagem.comm import Comm, live_backend_threads
 
 SRC = str(Path(sg.__file__).resolve().parent.parent)
+TESTS = str(Path(__file__).resolve().parent)
 
 # An atexit handler registered *before* stratagem is imported runs *after* stratagem's own
 # (atexit is last-in, first-out): what it sees is the state finalization starts from.
@@ -35,16 +36,12 @@ def probe():
     os.write(1, (json.dumps(line) + "\\n").encode())
 atexit.register(probe)
 
-import torch, torch.nn.functional as F
+import torch
 import stratagem as sg
+sys.path.insert(0, TESTS_DIR)
+from helpers import train_briefly
 strategy = sg.from_env()
-model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-model, opt = strategy.prepare(model, opt)
-for _ in range(3):
-    strategy.backward(F.cross_entropy(model(torch.randn(4, 6)), torch.randint(0, 2, (4,))))
-    opt.step()
-    opt.zero_grad()
+train_briefly(strategy)
 strategy.reduce("mean", torch.ones(()))  # a collective right before the end
 if sys.argv[1] == "close":
     strategy.close()
@@ -53,13 +50,7 @@ if sys.argv[1] == "close":
 
 def _train_and_close(name: str) -> dict[str, list[str]]:
     strategy = sg.from_name(name, timeout=30)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = strategy.prepare(model, opt)
-    for _ in range(3):
-        strategy.backward(F.cross_entropy(model(torch.randn(4, 6)), torch.randint(0, 2, (4,))))
-        opt.step()
-        opt.zero_grad()
+    model, _ = train_briefly(strategy)
     before = live_backend_threads()
     strategy.close()
     after = live_backend_threads()
@@ -108,7 +99,7 @@ def test_a_strategy_built_after_close_gets_a_fresh_process_group() -> None:
 @pytest.mark.parametrize("ending", ["close", "exit"])
 def test_no_backend_thread_left_when_finalization_starts(tmp_path: Path, ending: str) -> None:
     script = tmp_path / "probe.py"
-    script.write_text(EXIT_PROBE)
+    script.write_text(EXIT_PROBE.replace("TESTS_DIR", repr(TESTS)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "stratagem.cli", "run", "--nproc", "2", "--strategy", "mirrored",

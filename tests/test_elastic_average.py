@@ -15,7 +15,8 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.comm import Comm
-from stratagem.ps.client import PSClient, ShardedParameters
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient
 from stratagem.strategies.elastic_average import ElasticAveraging
 from stratagem.testing import run_ranks
 

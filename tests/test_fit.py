@@ -13,8 +13,10 @@ from helpers import assert_states_close, make_data, make_model
 from rich.console import Console
 
 import stratagem as sg
-import stratagem.fit as sg_fit
+import stratagem.fit.reporting as fit_reporting
 from stratagem.fit import Callback, EarlyStopping, LearningRateScheduler, ModelCheckpoint, fit
+from stratagem.fit.evaluation import evaluate
+from stratagem.fit.reporting import mean_staleness, step_info
 from stratagem.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -92,7 +94,7 @@ def test_fit_equals_custom_loop_on_mirrored_two_ranks():
     single = sg.OneDevice()
     model = make_model(0)
     model.load_state_dict(fits[0][0])
-    logs = sg_fit._evaluate(single, model, F.cross_entropy, EVAL, 16)
+    logs = evaluate(single, model, F.cross_entropy, EVAL, 16)
     assert logs["val_loss"] == pytest.approx(h0["val_loss"][-1], rel=1e-5)
     assert logs["val_accuracy"] == pytest.approx(h0["val_accuracy"][-1])
 
@@ -298,7 +300,7 @@ def test_tensorboard_is_used_when_importable(tmp_path, monkeypatch):
         def close(self):
             scalars.append(("closed", -1))
 
-    monkeypatch.setattr(sg_fit, "_summary_writer_class", lambda: FakeWriter)
+    monkeypatch.setattr(fit_reporting, "_summary_writer_class", lambda: FakeWriter)
     run_fit(sg.OneDevice(), make_data(), epochs=1, metrics_dir=tmp_path)
     tags = {t for t, _ in scalars}
     assert {"train/loss", "epoch/loss", "closed"} <= tags
@@ -316,8 +318,8 @@ def test_progress_bar_does_not_crash_without_a_terminal(capsys):
 
 
 def test_step_info_shows_loss_scale_and_staleness():
-    text = sg_fit._step_info(0.5, 1000.0, 2.5, {"loss_scale": 1024.0,
+    text = step_info(0.5, 1000.0, 2.5, {"loss_scale": 1024.0,
                                                 "staleness": {0: 2, 2: 2}}, True)
     assert "loss 0.5000" in text and "scale 1024" in text and "staleness 1.0" in text
-    assert sg_fit._mean_staleness([1, 0, 3]) == pytest.approx(1.5)
-    assert "scale" not in sg_fit._step_info(0.5, 1.0, 0.0, {"loss_scale": 1.0}, False)
+    assert mean_staleness([1, 0, 3]) == pytest.approx(1.5)
+    assert "scale" not in step_info(0.5, 1.0, 0.0, {"loss_scale": 1.0}, False)

@@ -235,3 +235,32 @@ def test_checkpoints_move_between_hierarchical_and_flat(tmp_path) -> None:
     for state in run_ranks(hier_load, 4, nnodes=2):
         for k in saved:
             assert_close(state[k], saved[k])
+
+
+def _launched_job() -> tuple[list[int], list[int], float]:
+    import torch.distributed as dist
+
+    st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=2)
+    model = _model()
+    model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(4):
+        x, y = _batch(st.replica_id, step)
+        st.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    groups = st.comm.node_groups()
+    # Sub-groups of the default group are known to torch.distributed (FSDP2's DeviceMesh
+    # looks them up).
+    intra = dist.get_process_group_ranks(groups.intra.group)
+    inter = dist.get_process_group_ranks(groups.inter.group)
+    weight = float(st.eval_model(model)[0].weight.sum())
+    st.close()
+    return intra, inter, weight
+
+
+@pytest.mark.timeout(180)
+def test_hierarchical_in_launched_processes_on_two_simulated_nodes() -> None:
+    results = sg.launch(_launched_job, nprocs=4, nnodes=2)
+    assert [r[0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[1] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert len({r[2] for r in results}) == 1

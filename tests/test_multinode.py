@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from stratagem.testing.netns import Topology, netns_unavailable_reason
+from stratagem.testing.netns import NetnsUnavailable, Topology, netns_unavailable_reason
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 JOB = str(Path(__file__).resolve().parent / "multinode_job.py")
@@ -122,6 +122,14 @@ def check_consensus(reports: list[dict[str, Any]], topo: Topology) -> None:
         assert r["env"]["GLOO_SOCKET_IFNAME"] == topo.node_ifname(node), r["env"]
         torch.testing.assert_close(_tensors(r["final"]), _tensors(reports[0]["final"]),
                                    rtol=0, atol=1e-6, msg=f"rank {rank} differs from rank 0")
+        # Issue 12: nothing of the job listens on every interface; the store (node 0) and gloo
+        # listen on the node's own address only (the node's namespace also has loopback).
+        wild = [a for a in r["listening"] if a[0] in ("0.0.0.0", "::")]
+        assert not wild, (rank, r["listening"])
+        assert {a for a, _ in r["listening"]} <= {topo.node_ip(node), "127.0.0.1"}, r
+        assert any(a == topo.node_ip(node) for a, _ in r["listening"]), r  # gloo was found
+    store = [p for a, p in reports[0]["listening"] if p == PORT]
+    assert store == [PORT], ("node 0's store not found on its address", reports[0]["listening"])
     moved = max((_tensors(reports[0]["final"])[k] - _tensors(reports[0]["initial"])[k])
                 .abs().max().item() for k in reports[0]["final"])
     assert moved > 1e-3, "training did not change the model"
@@ -175,6 +183,17 @@ def test_hierarchical_mirrored_inside_diloco_across(topo: Topology, tmp_path: Pa
         assert m["inter_node_bytes_sent"] < m["intra_node_bytes_sent"], m
 
 
+_NO_TOKEN_PROBE = """
+import sys, grpc
+from stratagem.ps import wire
+with grpc.insecure_channel(sys.argv[1]) as ch:
+    try:
+        ch.unary_unary(wire.METHOD)(wire.encode("health"), timeout=10)
+    except grpc.RpcError as e:
+        print(e.code().name)
+"""
+
+
 @pytest.mark.timeout(120)
 def test_ps_shard_on_a_third_namespace_with_a_token(topo: Topology, tmp_path: Path) -> None:
     token = tmp_path / "token"
@@ -202,5 +221,37 @@ def test_ps_shard_on_a_third_namespace_with_a_token(topo: Topology, tmp_path: Pa
         # Every worker pushes gradients to and pulls parameters from the third namespace.
         to_ps = _crossed(topo, before, 2)[1]
         assert to_ps >= 4 * 6 * PARAM_BYTES, to_ps
+        # The same shard, reached from node 0 without the token, refuses on the metadata alone.
+        probe = topo.popen(0, [sys.executable, "-c", _NO_TOKEN_PROBE, address], env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        text = probe.communicate(timeout=60)[0]
+        assert probe.returncode == 0 and "UNAUTHENTICATED" in text, text[-2000:]
     finally:
         _stop([shard])
+
+
+# ----------------------------------------------------------------- the helper itself
+
+
+def _names() -> tuple[set[str], set[str]]:
+    netns = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                               timeout=30).stdout.split())
+    return netns, set(os.listdir("/sys/class/net"))
+
+
+def test_topology_names_are_unique_and_a_failed_up_leaves_nothing() -> None:
+    _skip_unless_netns()
+    a, b = Topology(2, bridge_ip=False), Topology(2, bridge_ip=False)
+    assert a.prefix != b.prefix and len(a.prefix) <= 6
+    bad = Topology(2, subnet="10.78.300", bridge_ip=False)  # 10.78.300.10 is no address
+    with pytest.raises(NetnsUnavailable, match=r"10\.78\.300\.10"):
+        bad.up()
+    netns, links = _names()
+    mine = {bad.netns(0), bad.netns(1)} | {bad.bridge, bad.node_ifname(0), f"{bad.prefix}v0"}
+    assert not mine & (netns | links), mine & (netns | links)
+
+
+def test_unavailable_reason_names_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert netns_unavailable_reason() == (
+        "network namespaces need root (CAP_NET_ADMIN); running as uid 1000")

@@ -247,6 +247,24 @@ def test_run_refuses_exposed_or_incomplete_addresses(
     assert re.search(message, capsys.readouterr().err, re.S), argv
 
 
+def test_multi_node_run_pins_collectives_to_the_route_to_the_master() -> None:
+    """Issue 12: the interface comes from the route to --master-addr (loopback here, standing
+    in for the private network), a user's GLOO_SOCKET_IFNAME is kept, --iface wins over it."""
+    if not loopback_env({}):
+        pytest.skip("no loopback interface named lo/lo0 on this machine")
+    parser = cli.build_parser()
+    multi = ["run", "--nproc", "2", "--nnodes", "2", "--node-rank", "1",
+             "--master-addr", "127.0.0.1"]
+    env: dict[str, str] = {}
+    assert cli.network_env(parser.parse_args([*multi, "t.py"]), env) is None
+    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    env = {"GLOO_SOCKET_IFNAME": "eth9"}
+    assert cli.network_env(parser.parse_args([*multi, "t.py"]), env) is None
+    assert env == {"GLOO_SOCKET_IFNAME": "eth9", "NCCL_SOCKET_IFNAME": "lo"}
+    assert cli.network_env(parser.parse_args([*multi, "--iface", "lo", "t.py"]), env) is None
+    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def test_worker_env_pins_collectives_to_loopback_unless_set() -> None:
     if not loopback_env({}):
         pytest.skip("no loopback interface named lo/lo0 on this machine")
@@ -395,3 +413,20 @@ def test_plain_env_rank0_hosts_a_loopback_store(tmp_path: Path) -> None:
     assert not _non_loopback(listeners), "\n".join(_non_loopback(listeners))
     assert port in _ports(listeners, procs[0].pid), listeners
     assert reports[0]["sum"] == 2.0
+
+
+def test_rank0_store_from_env_binds_master_addr_only(monkeypatch):
+    """Comm.from_env hosting the store itself (no launcher agent) binds MASTER_ADDR only: an
+    address this machine does not hold is an error naming it, never a listener on every
+    interface (192.0.2.1 is TEST-NET-1, assigned to nobody)."""
+    import errno
+
+    from stratagem.comm import Comm
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "192.0.2.1",
+                       "MASTER_PORT": "29577"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(OSError, match="192.0.2.1") as info:
+        Comm.from_env(timeout=5)
+    assert info.value.errno == errno.EADDRNOTAVAIL

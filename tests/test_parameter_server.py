@@ -15,9 +15,10 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.comm import Comm
-from stratagem.ps.client import PSClient, ShardedParameters
 from stratagem.ps.placement import FixedShardsPartitioner
 from stratagem.ps.server import start_local_shards
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient
 from stratagem.strategies.parameter_server import ParameterServer
 from stratagem.testing import run_ranks
 

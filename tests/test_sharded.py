@@ -198,7 +198,7 @@ def _save_job(root: str) -> dict[str, Any]:
 def _failed_save(strategy: sg.Strategy, model: nn.Module, path: str) -> dict[str, Any]:
     """Rank 2 cannot write its shard file: every rank raises CheckpointError, the staging
     directory is removed, and ``path`` still holds the previous (fit's last) checkpoint."""
-    import stratagem.checkpoint as ck
+    import stratagem.checkpoint.storage as ck
 
     before = os.readlink(path)
     good = ck._fsync_write  # fault injection: this rank's writes fail

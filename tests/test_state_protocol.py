@@ -168,9 +168,11 @@ def test_a_strategy_whose_module_is_missing_is_absent_not_an_error(monkeypatch):
     assert not registry.is_available(ghost)
     assert "ghost" not in registry.strategy_names()
     assert "Ghost" not in registry.lazy_exports()
-    with pytest.raises(ImportError, match="'ghost' is registered but its module "
-                                          "stratagem.strategies.no_such_ghost is not installed"):
+    with pytest.raises(ValueError, match="'ghost' is registered but its module "
+                                         "stratagem.strategies.no_such_ghost is not installed"):
         registry.from_name("ghost")
+    with pytest.raises(ValueError, match="'ghost' is registered"):
+        registry.canonical_name("Ghost")  # what `stratagem run --strategy` checks up front
     with pytest.raises(ValueError, match="unknown strategy 'phantom'; valid names: diloco"):
         registry.from_name("phantom")
 
@@ -183,6 +185,11 @@ def test_importing_stratagem_with_the_new_strategies_missing():
             "    there = importlib.util.find_spec('stratagem.strategies.' + mod) is not None\n"
             "    assert (name in sg.strategy_names()) == there\n"
             "    assert hasattr(sg, pub) == there, pub\n"
+            "    if not there:\n"
+            "        try:\n"
+            "            getattr(sg, pub)\n"
+            "        except AttributeError as exc:\n"
+            "            assert 'registered but stratagem.strategies.' in str(exc), exc\n"
             "from stratagem import *  # every name in __all__ resolves\n"
             "print(len(sg.strategy_names()))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -32,10 +32,6 @@ KNOWN_VIOLATION_PLACES = ("stratagem.strategies", "stratagem.ps", "stratagem.com
 #: (module, what it uses) -> why it is still there. Only shrinks: the lead empties it as
 #: strategies/ and ps/ move onto the sync parts and the public state protocol.
 KNOWN_PRIVATE_USES: dict[tuple[str, str], str] = {
-    # ps/ split (another branch): the client serialises optimizer hyperparameters with the
-    # helper ps/optim.py keeps private.
-    ("stratagem.ps.client", "ps_optim._jsonable"):
-        "ps.optim's JSON conversion of hyperparameters; to be made public by the ps/ split",
 }
 
 
@@ -272,3 +268,41 @@ def test_private_use_detection(monkeypatch, tmp_path, source, expected):
     monkeypatch.setitem(MODULES, "stratagem.fake", fake)
     _, private = _analyse("stratagem.fake")
     assert [u.private for u in private] == expected
+
+
+def _private_members_of_strategy() -> set[str]:
+    """The ``_private`` methods and attributes of ``Strategy``, ``StrategyOptimizer`` and
+    ``Prepared`` (read from strategy.py: defs and ``self._x = ...`` assignments)."""
+    tree = ast.parse(MODULES["stratagem.strategy"].read_text())
+    names: set[str] = set()
+    for cls in tree.body:
+        if not (isinstance(cls, ast.ClassDef)
+                and cls.name in ("Strategy", "StrategyOptimizer", "Prepared")):
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id == "self" and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_features_use_only_the_public_state_protocol():
+    """checkpoint, fit and preemption reach a strategy (or its optimizer) only through public
+    members: no ``strategy._steps``, ``optimizer._strategy``, ``strategy._find_prepared``."""
+    private = _private_members_of_strategy()
+    assert {"_steps", "_find_prepared", "_checkpoint_model", "_strategy"} <= private
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith(("stratagem.checkpoint", "stratagem.fit",
+                                  "stratagem.preemption")):
+            continue
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{path.relative_to(SRC.parent)}:{node.lineno}: .{node.attr}")
+    assert not found, "private Strategy members used outside it:\n" + "\n".join(found)

@@ -113,3 +113,20 @@ def test_check_compression_errors_name_keyword_kinds_and_fix():
         compression_dtype(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="keys of compression.KINDS"):
         check_compression(None, kinds=(None, "int4"))
+
+
+def test_int_argument_for_argparse():
+    import argparse
+
+    from stratagem.validation import int_argument
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int_argument(minimum=1, fix="pass e.g. --nproc 2"))
+    assert parser.parse_args(["--nproc", "3"]).nproc == 3
+    parse = int_argument(minimum=0, maximum=9)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^must be >= 1, got 0. Fix: pass e.g."):
+        int_argument(minimum=1, fix="pass e.g. --nproc 2")("0")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^must be in \[0, 9\], got 10$"):
+        parse("10")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an integer, got 'x'"):
+        parse("x")

@@ -81,4 +81,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), attr)
         globals()[name] = value
         return value
+    from .registry import STRATEGIES
+
+    for entry in STRATEGIES:
+        if entry.public == name:  # in the table, but its module is not installed (yet)
+            raise AttributeError(f"module 'stratagem' has no attribute {name!r}: the strategy is "
+                                 f"registered but {entry.module} is not installed in this "
+                                 "version of stratagem")
     raise AttributeError(f"module 'stratagem' has no attribute {name!r}")

@@ -10,8 +10,8 @@ another as subprocesses with this very interpreter, ``src/`` put first on ``PYTH
     stratagem bench convergence --quick    # one benchmark; unknown options are passed on
     stratagem bench mirrored_vs_ddp ps_throughput -- --help
 
-A benchmark is a ``benchmarks/*.py`` file with a ``__main__`` guard (helpers such as
-``netns.py`` have none). ``--dir`` (or ``STRATAGEM_BENCHMARKS_DIR``) points elsewhere.
+A benchmark is a ``benchmarks/*.py`` file with a ``__main__`` guard (a helper module
+without one is skipped). ``--dir`` (or ``STRATAGEM_BENCHMARKS_DIR``) points elsewhere.
 Exit code: 0 when every benchmark succeeded, 1 when one failed, 2 for a usage error (no
 ``benchmarks/`` found, unknown name), 130 on Ctrl-C and 143 on SIGTERM (forwarded to the
 running benchmark, which gets to clean up first).

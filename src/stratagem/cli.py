@@ -34,8 +34,10 @@ from types import FrameType
 from typing import Any
 
 from .ps.flags import add_shard_arguments, nonneg_int
+from .validation import int_argument
 
-__all__ = ["main", "subcommand", "build_parser", "torchrun_command", "parse_strategy_args"]
+__all__ = ["main", "subcommand", "build_parser", "torchrun_command", "parse_strategy_args",
+           "network_env"]
 
 #: Seconds torchrun gets to stop its workers after a forwarded signal (its own grace is 30 s).
 FORWARD_GRACE = 40.0
@@ -97,16 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------- run
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be >= 1, got {value}; pass the number of worker processes per node, "
-            "e.g. --nproc 2")
-    return value
+_nproc = int_argument(minimum=1, fix="pass the number of worker processes per node, e.g. "
+                                     "--nproc 2")
 
 
 
@@ -201,7 +195,7 @@ def torchrun_command(args: argparse.Namespace, *, master_port: int | None = None
 
 
 def _configure_run(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=_positive_int, required=True,
+    p.add_argument("--nproc", type=_nproc, required=True,
                    help="worker processes on this node")
     p.add_argument("--num-ps", type=nonneg_int, default=0,
                    help="parameter-server shard processes to start first (single node)")
@@ -287,7 +281,7 @@ the job. Parameter-server shards for several machines: `stratagem ps` with a tok
 TLS). See docs/reliability.md, "Network exposure"."""
 
 
-def _network_env(args: argparse.Namespace, env: dict[str, str]) -> str | None:
+def network_env(args: argparse.Namespace, env: dict[str, str]) -> str | None:
     """Check the addresses of a job and pin its collectives to the right interface (in
     ``env``); returns an error message (exit 2) or None. Issue 10 for one node, issue 12 for
     several."""
@@ -401,7 +395,7 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = child_pythonpath(env)
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's oversubscription banner
-    problem = _network_env(args, env)
+    problem = network_env(args, env)
     if problem is not None:
         print(f"stratagem run: error: {problem}", file=sys.stderr)
         return 2

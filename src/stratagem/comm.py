@@ -33,7 +33,7 @@ import torch.distributed as dist
 # gloo group that outlives the interpreter aborts the process (see ``release_all``).
 import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
-from ._rendezvous import is_loopback, loopback_tcp_store
+from ._rendezvous import bound_tcp_store
 from .errors import PeerTimeoutError
 
 __all__ = ["Comm", "NodeGroups", "new_group", "release_all", "live_backend_threads"]
@@ -251,13 +251,31 @@ class Comm:
                     "this Comm has no store, so it cannot build sub-groups. Fix: build it with "
                     "Comm.from_env() or stratagem.testing.run_ranks, or pass store=")
             store = dist.PrefixStore(f"{name}/{self._splits}/{index}", self.store)
-            group = new_group(dist.PrefixStore("pg", store), mine.index(self.rank), size,
-                              max(self.timeout, 30.0), self.device)
+            if self._is_default_group():
+                # torch.distributed must know the sub-groups of its default group: FSDP2's
+                # DeviceMesh.from_group looks them up. dist.new_group is collective over the
+                # default group, so every rank creates every group, in the same order.
+                group = None
+                for g in members:
+                    if len(g) == 1:
+                        continue
+                    created = dist.new_group(ranks=g, timeout=timedelta(
+                        seconds=max(self.timeout, 30.0)))
+                    if g is mine:
+                        group = created
+                assert group is not None
+            else:
+                group = new_group(dist.PrefixStore("pg", store), mine.index(self.rank), size,
+                                  max(self.timeout, 30.0), self.device)
             child = Comm(group, mine.index(self.rank), size, store=store,
                          timeout=self.timeout, heartbeat=self._heartbeat is not None,
                          device=self.device)
         self._children.append(child)
         return child
+
+    def _is_default_group(self) -> bool:
+        return (self.group is not None and dist.is_initialized()
+                and self.group is dist.distributed_c10d._get_default_group())
 
     def node_groups(self, local_world_size: int | None = None) -> NodeGroups:
         """This rank's node group (the processes of its node) and cross-node group (the
@@ -310,11 +328,12 @@ class Comm:
         port = int(os.environ["MASTER_PORT"])
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         base: dist.Store
-        if rank == 0 and not agent_store and is_loopback(host):
-            # Issue 10: rank 0 hosts the store itself; torch's TCPStore would listen on every
-            # interface although every peer is on this machine.
-            base = loopback_tcp_store(host, port, world_size=world_size,
-                                      timeout=timedelta(seconds=timeout))
+        if rank == 0 and not agent_store:
+            # Issues 10 and 12: rank 0 hosts the store itself on MASTER_ADDR only; torch's
+            # TCPStore would listen on every interface (on one machine every peer is on
+            # loopback; on several, they reach node 0's address on their shared network).
+            base = bound_tcp_store(host, port, world_size=world_size,
+                                   timeout=timedelta(seconds=timeout))
         else:
             base = dist.TCPStore(
                 host, port, world_size, is_master=(rank == 0 and not agent_store),

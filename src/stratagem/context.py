@@ -10,11 +10,12 @@ the registry, which knows the strategies, through :func:`set_default_strategy_fa
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from .strategy import Strategy
@@ -23,6 +24,7 @@ __all__ = ["get_strategy", "get_replica_context", "has_strategy", "InputContext"
            "enter_scope", "enter_replica", "set_default_strategy_factory"]
 
 _local = threading.local()
+_T = TypeVar("_T")
 _default_factory: Callable[[], Strategy] | None = None
 
 
@@ -34,25 +36,34 @@ def set_default_strategy_factory(factory: Callable[[], Strategy] | None) -> None
     _default_factory = factory
 
 
-def _stack() -> list[Strategy]:
-    stack = getattr(_local, "strategies", None)
+def _thread_stack(name: str) -> list[Any]:
+    """This thread's stack ``name`` (created empty on first use)."""
+    stack: list[Any] | None = getattr(_local, name, None)
     if stack is None:
         stack = []
-        _local.strategies = stack
+        setattr(_local, name, stack)
     return stack
 
 
 @contextmanager
-def enter_scope(strategy: Strategy) -> Iterator[Strategy]:
-    """Make ``strategy`` the current one (``get_strategy()``) in this thread until exit. What
-    ``strategy.scope()`` does; scopes nest and must be exited in reverse order."""
-    stack = _stack()
-    stack.append(strategy)
+def _pushed(name: str, item: _T) -> Iterator[_T]:
+    stack = _thread_stack(name)
+    stack.append(item)
     try:
-        yield strategy
+        yield item
     finally:
         popped = stack.pop()
-        assert popped is strategy, "strategy scopes must be exited in reverse order"
+        assert popped is item, f"{name} must be exited in reverse order"
+
+
+def _stack() -> list[Strategy]:
+    return _thread_stack("strategies")
+
+
+def enter_scope(strategy: Strategy) -> contextlib.AbstractContextManager[Strategy]:
+    """Make ``strategy`` the current one (``get_strategy()``) in this thread until exit. What
+    ``strategy.scope()`` does; scopes nest and must be exited in reverse order."""
+    return _pushed("strategies", strategy)
 
 
 def has_strategy() -> bool:
@@ -104,30 +115,16 @@ class ReplicaContext:
         return self._strategy.gather(value, axis=axis)
 
 
-def _replica_stack() -> list[ReplicaContext]:
-    stack = getattr(_local, "replicas", None)
-    if stack is None:
-        stack = []
-        _local.replicas = stack
-    return stack
-
-
-@contextmanager
-def enter_replica(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+def enter_replica(ctx: ReplicaContext) -> contextlib.AbstractContextManager[ReplicaContext]:
     """Make ``ctx`` what ``get_replica_context()`` returns in this thread until exit (what
     ``strategy.run`` does)."""
-    stack = _replica_stack()
-    stack.append(ctx)
-    try:
-        yield ctx
-    finally:
-        stack.pop()
+    return _pushed("replicas", ctx)
 
 
 def get_replica_context() -> ReplicaContext:
     """The replica context of the enclosing ``strategy.run``; outside ``run`` (the usual case
     in PyTorch, where every process is one replica) the current strategy's own replica."""
-    stack = _replica_stack()
+    stack: list[ReplicaContext] = _thread_stack("replicas")
     if stack:
         return stack[-1]
     return ReplicaContext(get_strategy())

@@ -129,7 +129,7 @@ def _available(name: str) -> bool:
 
     try:
         strategy_class(name)
-    except ImportError:
+    except (ImportError, ValueError):
         return False
     return True
 

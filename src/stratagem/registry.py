@@ -92,25 +92,24 @@ def strategy_names() -> list[str]:
 
 def canonical_name(name: str) -> str:
     """The registry key for ``name`` (aliases and class names accepted); ``ValueError``
-    listing the valid names otherwise."""
+    listing the valid names otherwise, also for a registered strategy whose module is not
+    installed (``stratagem run`` checks this before starting any worker)."""
     lowered = name.lower()
-    for entry in STRATEGIES:
-        if lowered == entry.cls.lower() and not entry.preset:
-            return entry.name
-    key = _ALIASES.get(lowered, lowered)
+    by_class = [e.name for e in STRATEGIES if lowered == e.cls.lower() and not e.preset]
+    key = by_class[0] if by_class else _ALIASES.get(lowered, lowered)
     if key not in _BY_NAME:
         raise ValueError(f"unknown strategy {name!r}; valid names: {', '.join(strategy_names())}")
+    if not is_available(_BY_NAME[key]):
+        raise ValueError(f"strategy {key!r} is registered but its module {_BY_NAME[key].module} "
+                         f"is not installed in this version of stratagem; valid names: "
+                         f"{', '.join(strategy_names())}")
     return key
 
 
 def strategy_class(name: str) -> type[Strategy]:
     """The class registered under ``name`` (imported now); ``ValueError`` for an unknown
-    name, ``ImportError`` naming the module for a registered one that is not installed."""
+    name or a registered one whose module is not installed."""
     entry = _BY_NAME[canonical_name(name)]
-    if not is_available(entry):
-        raise ImportError(f"strategy {entry.name!r} is registered but its module "
-                          f"{entry.module} is not installed in this version of stratagem; "
-                          f"available: {', '.join(strategy_names())}", name=entry.module)
     return getattr(importlib.import_module(entry.module), entry.cls)  # type: ignore[no-any-return]
 
 

@@ -441,7 +441,8 @@ class Strategy:
         clone: nn.Module | None = prepared.state.get("_eval_copy")
         if clone is not None:
             return clone
-        clone = copy.deepcopy(prepared.module)
+        clone = next((m for m in (part.eval_module(prepared) for part in self.parts)
+                      if m is not None), None) or copy.deepcopy(prepared.module)
         if getattr(clone.__dict__.get("forward"), "_stratagem_autocast", False):
             del clone.__dict__["forward"]
         clone.requires_grad_(False)
@@ -519,7 +520,8 @@ class Strategy:
 
     def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         """Load a checkpointed model into every replica (collective)."""
-        prepared.module.load_state_dict(state)
+        if not any(part.load_model(prepared, state) for part in self.parts):
+            prepared.module.load_state_dict(state)
         for part in self.parts:
             part.loaded(prepared)
 
@@ -595,6 +597,10 @@ class Strategy:
         (Mirrored); strategies whose gradients stay local (LocalSGD, DiLoCo, EASGD, parameter
         servers, which clip before the push) clip their own. A strategy whose gradients are
         sharded across replicas overrides this to reduce the norm."""
+        for part in self.parts:
+            norm = part.grad_norm(grads, norm_type)
+            if norm is not None:
+                return norm
         dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
         if not dense:
             return torch.zeros((), device=self.device)

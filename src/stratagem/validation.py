@@ -16,13 +16,15 @@ write ``self.period = check_int("period", period, minimum=1, fix="pass e.g. peri
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["check_int", "check_number", "check_optional_number", "check_choice", "check_bool", "describe_choices"]
+__all__ = ["check_int", "check_number", "check_optional_number", "check_choice", "check_bool",
+           "describe_choices", "int_argument"]
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def _fail(name: str, constraint: str, value: Any, fix: str | None) -> ValueError:
@@ -116,7 +118,7 @@ def describe_choices(choices: Iterable[Any]) -> str:
     return f"{', '.join(items[:-1])} or {items[-1]}"
 
 
-def check_choice(name: str, value: T, choices: Iterable[Any], *, fix: str | None = None) -> T:
+def check_choice(name: str, value: _T, choices: Iterable[Any], *, fix: str | None = None) -> _T:
     """``value`` if it is one of ``choices``; ``ValueError`` otherwise, e.g. ``"mode must be
     'sync' or 'async', got 'fast'"``. Unhashable values are refused, not raised as
     ``TypeError``."""
@@ -136,3 +138,25 @@ def check_bool(name: str, value: Any, *, fix: str | None = None) -> bool:
     if not isinstance(value, bool):
         raise _fail(name, "True or False", value, fix)
     return value
+
+
+def int_argument(*, minimum: int | None = None, maximum: int | None = None,
+                 fix: str | None = None) -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer flag checked like :func:`check_int`: argparse
+    reports ``argument --nproc: must be >= 1, got 0. Fix: ...`` and exits with status 2."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        try:
+            return check_int("", value, minimum=minimum, maximum=maximum, fix=fix)
+        except ValueError as exc:
+            # check_int says "<name> must be an int ...": the flag is argparse's to name, and
+            # the value is an int already.
+            raise argparse.ArgumentTypeError(
+                str(exc).lstrip().replace("must be an int ", "must be ", 1)) from None
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value" messages
+    return parse

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from stratagem.ps.client import PSClient
 from stratagem.ps.server import ShardServer, start_local_shards
+from stratagem.ps.transport import PSClient
 
 
 @pytest.fixture(autouse=True)

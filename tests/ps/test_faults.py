@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from stratagem.errors import ParameterServerUnavailable
-from stratagem.ps.client import PSClient, ShardedParameters
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -29,8 +29,9 @@ from torch.testing import assert_close
 
 from stratagem.launcher import child_pythonpath, start_ps_shards
 from stratagem.ps import wire
-from stratagem.ps.client import PSClient, RemoteError, ShardedParameters
 from stratagem.ps.server import ShardServer
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient, RemoteError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -176,6 +177,22 @@ class ProcShard:
         time.sleep(0.3)
         return _hwm_bytes(self.proc.pid)[1] - base
 
+    def growth_refusing(self, data: bytes, code: grpc.StatusCode, match: str, *, good: str,
+                        times: int = 1, token: str | None = TOKEN) -> int:
+        """Peak RSS growth (bytes) while ``data`` is sent ``times`` times and refused with
+        ``code``, a good client (named ``good``) stepping after each refusal."""
+        client = Good(self.address, good)
+
+        def attack() -> None:
+            for _ in range(times):
+                _refused(self.address, data, code, match, token=token)
+                client.step()
+
+        try:
+            return self.growth(attack)
+        finally:
+            client.close()
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -243,21 +260,10 @@ def test_a_body_that_never_comes_is_cut_by_the_body_timeout() -> None:
 
 
 def test_unauthenticated_huge_bodies_are_not_buffered(proc_shard) -> None:
-    good = Good(proc_shard.address, "unauth")
-    body = bytes(128 * MiB)
-
-    def attack() -> None:
-        for _ in range(4):
-            _refused(proc_shard.address, body, grpc.StatusCode.UNAUTHENTICATED, "token",
-                     token=None)
-            good.step()
-
-    try:
-        grew = proc_shard.growth(attack)
-        # 4 x 128 MiB refused on the metadata alone: nothing near a body was kept.
-        assert grew < 32 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
-    finally:
-        good.close()
+    grew = proc_shard.growth_refusing(bytes(128 * MiB), grpc.StatusCode.UNAUTHENTICATED,
+                                      "token", good="unauth", times=4, token=None)
+    # 4 x 128 MiB refused on the metadata alone: nothing near a body was kept.
+    assert grew < 32 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
 
 
 # -- 2. bounded work --------------------------------------------------------------------------
@@ -275,53 +281,29 @@ def big(proc_shard) -> Iterator[PSClient]:
 
 
 def test_pull_naming_one_tensor_256_times_is_refused_before_allocating(proc_shard, big) -> None:
-    good = Good(proc_shard.address, "amp1")
     data = wire.encode("pull", {"names": ["big.w"] * 256})
     assert len(data) < 4096  # a ~3 KB request asking for 256 MiB
-
-    def attack() -> None:
-        _refused(proc_shard.address, data, grpc.StatusCode.INVALID_ARGUMENT, "more than once")
-        good.step()
-
-    try:
-        grew = proc_shard.growth(attack)
-        assert grew < 16 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
-    finally:
-        good.close()
+    grew = proc_shard.growth_refusing(data, grpc.StatusCode.INVALID_ARGUMENT, "more than once",
+                                      good="amp1")
+    assert grew < 16 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
 
 
 def test_pull_rows_repeating_a_row_256_times_is_refused(proc_shard, big) -> None:
-    good = Good(proc_shard.address, "amp2")
     data = wire.encode("pull_rows", {"name": "big.emb"},
                        [wire.Entry("indices", torch.zeros(256, dtype=torch.int64))])
-
-    def attack() -> None:
-        _refused(proc_shard.address, data, grpc.StatusCode.INVALID_ARGUMENT, "repeat")
-        good.step()
-
-    try:
-        grew = proc_shard.growth(attack)
-        assert grew < 16 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
-    finally:
-        good.close()
+    grew = proc_shard.growth_refusing(data, grpc.StatusCode.INVALID_ARGUMENT, "repeat",
+                                      good="amp2")
+    assert grew < 16 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
 
 
 def test_set_state_pointing_200_entries_at_one_tensor_is_refused(proc_shard, big) -> None:
-    good = Good(proc_shard.address, "amp3")
     slots = [{"name": f"evil{i}", "param": 0, "mode": "elastic"} for i in range(200)]
     data = wire.encode("set_state", {"slots": slots}, [wire.Entry("x", torch.zeros(MiB // 4))])
-
-    def attack() -> None:
-        _refused(proc_shard.address, data, grpc.StatusCode.INVALID_ARGUMENT, "used twice")
-        good.step()
-
-    try:
-        grew = proc_shard.growth(attack)
-        assert grew < 16 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
-        health = PSClient([proc_shard.address], token=TOKEN).health()[0]
-        assert not any(n.startswith("evil") for n in health["versions"])
-    finally:
-        good.close()
+    grew = proc_shard.growth_refusing(data, grpc.StatusCode.INVALID_ARGUMENT, "used twice",
+                                      good="amp3")
+    assert grew < 16 * MiB, f"shard RSS peak grew by {grew / MiB:.1f} MiB"
+    health = PSClient([proc_shard.address], token=TOKEN).health()[0]
+    assert not any(n.startswith("evil") for n in health["versions"])
 
 
 def test_registered_bytes_stop_at_the_quota(proc_shard, big) -> None:
@@ -572,7 +554,7 @@ def test_launcher_shards_get_a_fresh_token_through_a_private_file() -> None:
                 anon.shutdown()
             assert info.value.code == "UNAUTHENTICATED"
         # A worker built from the environment the launcher hands out is served.
-        code = ("from stratagem.ps.client import PSClient\nimport os\n"
+        code = ("from stratagem.ps.transport import PSClient\nimport os\n"
                 "c = PSClient(os.environ['STRATAGEM_PS_ADDRS'].split(','), timeout=10)\n"
                 "print(c.health()[0]['ok'])\n")
         child = {k: v for k, v in os.environ.items() if not k.startswith("STRATAGEM_PS")}

@@ -15,8 +15,9 @@ import torch
 from torch.testing import assert_close
 
 from stratagem.ps import wire
-from stratagem.ps.client import PSClient, RemoteError, ShardedParameters
 from stratagem.ps.server import ShardServer
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient, RemoteError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,9 +9,10 @@ import torch
 from torch.testing import assert_close
 
 from stratagem.errors import PeerTimeoutError
-from stratagem.ps.client import PSClient, RemoteError, ShardedParameters
 from stratagem.ps.placement import FixedShardsPartitioner
 from stratagem.ps.server import start_local_shards
+from stratagem.ps.table import ShardedParameters
+from stratagem.ps.transport import PSClient, RemoteError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,7 +9,7 @@ import torch
 
 from ..comm import Comm
 from .base import Part
-from .tensors import average_, gather_ranks, load_rank, mean_copy, synced_tensors
+from .tensors import average_, gather_ranks, like, load_rank, local, mean_copy, synced_tensors
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
@@ -34,8 +34,9 @@ class ParameterAveraging(Part):
         self.averages = 0
 
     def _tensors(self, prepared: Prepared) -> tuple[list[str], list[torch.Tensor]]:
+        """Names and local views (the local shard of a sharded parameter)."""
         names, tensors, _ = synced_tensors(prepared.module, buffers=True)
-        return names, tensors
+        return names, [local(t) for t in tensors]
 
     def after_update(self, prepared: Prepared) -> None:
         step = prepared.local_steps
@@ -50,8 +51,9 @@ class ParameterAveraging(Part):
 
     def consensus(self, prepared: Prepared, state: dict[str, torch.Tensor]
                   ) -> dict[str, torch.Tensor]:
-        _, tensors = self._tensors(prepared)
-        mean = dict(zip(map(id, tensors), mean_copy(self.comm, tensors), strict=True))
+        _, originals, _ = synced_tensors(prepared.module, buffers=True)
+        means = mean_copy(self.comm, [local(t) for t in originals])
+        mean = {id(t): like(t, m) for t, m in zip(originals, means, strict=True)}
         return {k: mean.get(id(v), v) for k, v in state.items()}
 
     def extra_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:

@@ -68,6 +68,21 @@ class Part:
         identity so tied weights follow. May be a collective."""
         return state
 
+    def load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> bool:
+        """Load a whole (unsharded) model state into the module if this part must do it its
+        own way (a sharded module takes its rows); True when it did."""
+        return False
+
+    def eval_module(self, prepared: Prepared) -> nn.Module | None:
+        """A fresh module of the user's class to hold the consensus for ``eval_model``, when a
+        copy of the prepared module will not do (a sharded module); None otherwise."""
+        return None
+
+    def grad_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor | None:
+        """The total norm of gradients this part spreads over its Comm (sharded gradients);
+        None when the local gradients are whole."""
+        return None
+
     def loaded(self, prepared: Prepared) -> None:
         """The module was just loaded from a checkpoint: reset what derives from it."""
 

@@ -22,7 +22,7 @@ import torch
 from ..comm import Comm, flatten, views
 from ..compression import wire_dtype
 from .base import Part
-from .tensors import average_, dtype_groups, gather_ranks, load_rank, synced_tensors
+from .tensors import average_, dtype_groups, gather_ranks, like, load_rank, local, synced_tensors
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
@@ -58,10 +58,11 @@ class _OuterState:
     def __init__(self, names: list[str], params: list[torch.Tensor],
                  fragments: list[list[int]], factory: OuterOptimizerFactory) -> None:
         self.names = names
-        self.params = params
+        self.originals = params  # the module's parameters (DTensors when sharded)
+        self.params = [local(p) for p in params]  # what this process synchronises
         self.fragments = fragments
         with torch.no_grad():
-            self.prev = [p.detach().clone() for p in params]
+            self.prev = [p.detach().clone() for p in self.params]
         optimizer = factory(self.prev)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"outer_optimizer must build a torch.optim.Optimizer from the outer "
@@ -167,7 +168,7 @@ class OuterStep(Part):
     def consensus(self, prepared: Prepared, state: dict[str, torch.Tensor]
                   ) -> dict[str, torch.Tensor]:
         st = self._state(prepared)
-        outer = {id(p): q for p, q in zip(st.params, st.prev, strict=True)}
+        outer = {id(p): like(p, q) for p, q in zip(st.originals, st.prev, strict=True)}
         return {k: outer.get(id(v), v) for k, v in state.items()}
 
     def loaded(self, prepared: Prepared) -> None:

@@ -10,8 +10,29 @@ from torch import nn
 
 from ..comm import Comm, flatten, views
 
+try:  # torch >= 2.5
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch 2.4
+    from torch.distributed._tensor import DTensor
+
 __all__ = ["synced_tensors", "dtype_groups", "average_", "mean_copy", "gather_ranks",
-           "load_rank"]
+           "load_rank", "local", "like"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: the local shard of a DTensor (a sharded parameter of
+    FSDP2; writing into it writes the parameter), else ``t`` itself. Parts synchronise local
+    shards with the peers holding the same shard."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a local shard) as a tensor of ``reference``'s kind: a DTensor on the same
+    mesh and placements when ``reference`` is one, else ``value``."""
+    if not isinstance(reference, DTensor):
+        return value
+    return DTensor.from_local(value, reference.device_mesh, reference.placements,
+                              run_check=False, shape=reference.shape, stride=reference.stride())
 
 
 def synced_tensors(module: nn.Module, buffers: bool) -> tuple[list[str], list[torch.Tensor],

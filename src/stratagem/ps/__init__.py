@@ -1,4 +1,5 @@
-"""Parameter-server runtime over gRPC: wire format, shard server, client, placement.
+"""Parameter-server runtime over gRPC: wire format, shard server and update rules, transport,
+sharded table, placement.
 
 Downpour SGD (Dean et al. 2012) and TensorFlow's ps/worker jobs (``SyncReplicasOptimizer``,
 ``DropStaleGradientOptimizer``, the tf_cnn_benchmarks variable manager), plus the asynchronous
@@ -14,8 +15,8 @@ from typing import Any
 # Lazy exports (PEP 562): ``python -m stratagem.ps.server`` must not find the server module
 # already imported by its package, and placement users need not load grpc.
 _EXPORTS = {
-    "PSClient": "client", "PSFuture": "client", "PushOutcome": "client",
-    "RemoteError": "client", "ShardedParameters": "client",
+    "PSClient": "transport", "PSFuture": "transport", "RemoteError": "transport",
+    "PushOutcome": "table", "ShardedParameters": "table", "PSLink": "link",
     "ShardServer": "server", "serve": "server", "start_local_shards": "server",
     "optimizer_spec": "optim",
     "FixedShardsPartitioner": "placement", "MinSizePartitioner": "placement",
@@ -30,6 +31,7 @@ __all__ = [
     "PushOutcome",
     "RemoteError",
     "ShardedParameters",
+    "PSLink",
     "ShardServer",
     "serve",
     "start_local_shards",

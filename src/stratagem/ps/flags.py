@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..validation import int_argument
+
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "add_shard_arguments",
            "nonneg_int"]
 
@@ -15,15 +17,8 @@ DEFAULT_MAX_BYTES = 8 << 30
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 
-def nonneg_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+#: argparse type: an integer >= 0 (``stratagem.validation.int_argument``).
+nonneg_int = int_argument(minimum=0)
 
 
 def add_shard_arguments(p: argparse.ArgumentParser, *, port_required: bool = True) -> None:

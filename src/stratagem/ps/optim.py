@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = ["OPTIMIZERS", "optimizer_spec", "validate_spec", "build_optimizer",
-           "check_spec", "state_layout", "supports_sparse"]
+           "check_spec", "state_layout", "supports_sparse", "jsonable"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -51,7 +51,9 @@ def _allowed(cls: type[torch.optim.Optimizer]) -> frozenset[str]:
     return found
 
 
-def _jsonable(key: str, value: Any) -> Any:
+def jsonable(key: str, value: Any) -> Any:
+    """``value`` of hyperparameter ``key`` as JSON can carry it (one-element tensors become
+    numbers); ``TypeError`` naming it when it cannot be sent to the shards."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     if isinstance(value, (bool, int, float)) or value is None:
@@ -74,7 +76,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer, group: int = 0) -> dict[str
     spec: dict[str, Any] = {"name": name}
     for k, v in optimizer.param_groups[group].items():
         if k in allowed:
-            spec[k] = _jsonable(k, v)
+            spec[k] = jsonable(k, v)
     return spec
 
 
@@ -92,7 +94,7 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"optimizer {spec['name']!r} has no hyperparameter(s) {unknown}; "
                          f"valid: {sorted(allowed)}")
     for k, v in hyper.items():
-        hyper[k] = tuple(v) if isinstance(v, list) else _jsonable(k, v)
+        hyper[k] = tuple(v) if isinstance(v, list) else jsonable(k, v)
     return hyper
 
 

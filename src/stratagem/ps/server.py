@@ -1,11 +1,10 @@
-"""A parameter-server shard: tensors, their optimizers and versions, served over gRPC.
+"""A parameter-server shard, the service: tensors, their optimizers and versions over gRPC.
 
-Lineage: TensorFlow's ``ps`` job, ``SyncReplicasOptimizer`` (aggregate ``replicas_to_aggregate``
-gradients of the current step, drop late ones), ``DropStaleGradientOptimizer`` (drop gradients
-more than ``max_staleness`` versions old), and Downpour SGD (Dean et al. 2012: asynchronous
-workers push gradients and fetch parameters, the shard applies each gradient as it arrives).
-The elastic exchange is asynchronous EASGD (Zhang, Choromanska, LeCun 2015): for a worker's
-``x`` and moving rate ``a`` the shard does ``d = x - center; center += a * d`` and returns ``d``.
+Lineage: TensorFlow's ``ps`` job. This module is the service around the tensors: binding,
+authentication (token, TLS), limits (message size, quota, concurrency, body timeout), request
+validation and dispatch, and waiting for versions. What an operation does to a tensor (Downpour
+SGD, ``SyncReplicasOptimizer`` aggregation, ``DropStaleGradientOptimizer``, the EASGD elastic
+exchange, optimizer slots and hyperparameters) is :mod:`stratagem.ps.rules`.
 
 Each tensor has its own lock, optimizer and version counter, so pushes to different tensors run
 concurrently. Operations (the ``op`` of a :mod:`stratagem.ps.wire` message): ``health``,
@@ -34,7 +33,6 @@ import time
 import warnings
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,8 +42,11 @@ import torch
 
 from stratagem.ps import auth as ps_auth
 from stratagem.ps import optim as ps_optim
-from stratagem.ps import wire
+from stratagem.ps import rules, wire
 from stratagem.ps.flags import DEFAULT_MAX_BYTES, add_shard_arguments
+from stratagem.ps.rules import Slot
+from stratagem.ps.rules import is_int as _is_int
+from stratagem.ps.rules import refused as _err
 from stratagem.ps.wire import Entry, Message, WireError
 
 __all__ = ["ShardServer", "serve", "start_local_shards", "main",
@@ -55,38 +56,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_MODES = ("async", "sync", "elastic")
 # Refusals that suggest a misconfigured or hostile peer (logged as warnings, rate-limited).
 _LOUD = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "INTERNAL"})
-
-
-@dataclass
-class _Slot:
-    """One tensor on this shard with everything that changes it."""
-
-    name: str
-    value: torch.Tensor
-    mode: str
-    spec: dict[str, Any] | None
-    optimizer: torch.optim.Optimizer | None
-    replicas_to_aggregate: int = 1
-    version: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    acc: torch.Tensor | None = None  # sync mode: sum of this version's gradients
-    acc_count: int = 0
-    dropped: int = 0
-    #: Plain SGD (no momentum, weight decay or maximize): its learning rate, for the fast
-    #: path in ``_apply`` (the same single ``add_`` torch's SGD does, minus ~75 us of
-    #: optimizer-framework overhead per call, a tenth of a push of 8 MB in 10 tensors).
-    sgd_lr: float | None = None
-
-    def bump(self) -> None:
-        self.version += 1
-        self.acc, self.acc_count = None, 0
-
-
-def _err(message: str, status: str = "INVALID_ARGUMENT") -> WireError:
-    return WireError(message, status=status)
 
 
 def _int(fields: dict[str, Any], key: str, default: int | None = None, *,
@@ -108,10 +79,6 @@ def _float(fields: dict[str, Any], key: str, default: float | None = None) -> fl
     if not ok or not isinstance(v, (int, float)):
         raise _err(f"field {key!r} must be a finite number, got {str(v)[:40]}")
     return float(v)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _first_repeat(items: Sequence[str]) -> str:
@@ -270,7 +237,7 @@ class ShardServer:
         if msg is not None:
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             log.warning(msg)
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, Slot] = {}
         self._registry_lock = threading.Lock()
         self._charged = 0  # bytes of registered tensors + optimizer state (the quota)
         self._stopped = threading.Event()
@@ -328,7 +295,7 @@ class ShardServer:
         """Start serving; returns the bound port (useful with ``port=0``)."""
         if self._server is not None:
             raise RuntimeError(f"shard {self.address} is already started")
-        _warm_up_optimizers()
+        rules.warm_up_optimizers()
         self._loop = _LoopThread.get()
         self._executor = futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                     thread_name_prefix="stratagem-ps")
@@ -490,14 +457,14 @@ class ShardServer:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _slot(self, name: str) -> _Slot:
+    def _slot(self, name: str) -> Slot:
         slot = self._slots.get(name)
         if slot is None:
             raise _err(f"tensor {name!r} is not registered on shard {self.address}; "
                        "register it first", "NOT_FOUND")
         return slot
 
-    def _select(self, names: list[str] | None) -> list[_Slot]:
+    def _select(self, names: list[str] | None) -> list[Slot]:
         if names is None:
             return [self._slots[k] for k in sorted(self._slots)]
         return [self._slot(n) for n in names]
@@ -513,7 +480,7 @@ class ShardServer:
                        "raise max_message_bytes on the shard and the client",
                        "RESOURCE_EXHAUSTED")
 
-    def _snapshot(self, slots: Sequence[_Slot], op: str = "values",
+    def _snapshot(self, slots: Sequence[Slot], op: str = "values",
                   fields: dict[str, Any] | None = None) -> bytes:
         """Encode the values of ``slots`` as one consistent snapshot."""
         self._check_reply(op, [(s.name, s.value.nbytes) for s in slots],
@@ -541,25 +508,6 @@ class ShardServer:
             self._changed = asyncio.Event()
             ev.set()
 
-    def _make_slot(self, name: str, value: torch.Tensor, mode: str, spec: Any,
-                   replicas: Any) -> _Slot:
-        if mode not in _MODES:
-            raise _err(f"tensor {name!r}: mode must be one of {_MODES}, got {mode!r}")
-        if not _is_int(replicas) or replicas < 1:
-            raise _err(f"replicas_to_aggregate must be a positive integer, got {replicas!r}")
-        if mode != "elastic":
-            if spec is None:
-                raise _err(f"tensor {name!r}: mode {mode!r} needs an optimizer spec")
-            if not value.is_floating_point():
-                raise _err(f"tensor {name!r} has dtype {value.dtype}; only floating-point "
-                           "tensors can be optimized on a shard")
-            ps_optim.check_spec(spec)  # torch's own errors, before any allocation
-        _require_finite(value, f"initial value of {name!r}")
-        param = torch.nn.Parameter(value.detach().clone(), requires_grad=value.is_floating_point())
-        optimizer = ps_optim.build_optimizer(spec, param) if mode != "elastic" else None
-        return _Slot(name, param.data, mode, spec, optimizer, replicas,
-                     sgd_lr=_plain_sgd_lr(spec) if optimizer is not None else None)
-
     def _check_quota(self, op: str, adding: int, freeing: int = 0) -> None:
         """Caller holds ``_registry_lock``."""
         after = self._charged - freeing + adding
@@ -569,73 +517,13 @@ class ShardServer:
                        f"max_bytes={self.max_bytes}. Fix: use more shards, or start the shard "
                        "with a larger --max-bytes", "RESOURCE_EXHAUSTED")
 
-    def _check_grad(self, slot: _Slot, g: torch.Tensor, what: str = "gradient") -> None:
-        if tuple(g.shape) != tuple(slot.value.shape):
-            raise _err(f"{what} for {slot.name!r} has shape {tuple(g.shape)}, the tensor has "
-                       f"{tuple(slot.value.shape)}", "FAILED_PRECONDITION")
-        if not g.is_floating_point():
-            raise _err(f"{what} for {slot.name!r} has non-float dtype {g.dtype}")
-        _require_finite(g, f"{what} for {slot.name!r}")
-
-    def _grad(self, slot: _Slot, g: torch.Tensor) -> torch.Tensor:
-        return g.to(slot.value.dtype)  # upcasts fp16/bf16-compressed gradients
-
-    def _apply(self, slot: _Slot, grad: torch.Tensor) -> None:
-        """Run the slot's optimizer on ``grad`` (caller holds ``slot.lock``)."""
-        assert slot.optimizer is not None
-        if slot.sgd_lr is not None:
-            with torch.no_grad():
-                slot.value.add_(grad, alpha=-slot.sgd_lr)  # exactly torch's SGD step
-            return
-        param = slot.optimizer.param_groups[0]["params"][0]
-        param.grad = grad
-        try:
-            slot.optimizer.step()
-        finally:
-            param.grad = None
-
-    def _offer(self, slot: _Slot, base: int | None, max_staleness: int | None,
+    def _offer(self, slot: Slot, base: int | None, max_staleness: int | None,
                grad: Callable[[], torch.Tensor]) -> list[Any]:
-        """Apply (async) or accumulate (sync) one gradient; returns [staleness, status, version].
-
-        ``grad`` builds the gradient lazily so a dropped one costs nothing.
-        """
-        if slot.mode == "elastic":
-            raise _err(f"tensor {slot.name!r} is registered for elastic averaging; it takes "
-                       "'elastic' exchanges, not gradient pushes", "FAILED_PRECONDITION")
-        if base is None:
-            raise _err(f"gradient for {slot.name!r} carries no base version")
-        with slot.lock:
-            staleness = slot.version - base
-            if slot.mode == "async":
-                if staleness < 0 or (max_staleness is not None and staleness > max_staleness):
-                    slot.dropped += 1
-                    status = "dropped"
-                else:
-                    self._apply(slot, grad())
-                    slot.version += 1
-                    status = "applied"
-            elif staleness != 0:  # sync: only gradients of the current version count
-                slot.dropped += 1
-                status = "dropped"
-            else:
-                g = grad()
-                if slot.acc is None:
-                    slot.acc = g.to(torch.float64 if g.dtype == torch.float64 else torch.float32,
-                                    copy=True)
-                else:
-                    slot.acc.add_(g)
-                slot.acc_count += 1
-                status = "accumulated"
-                if slot.acc_count >= slot.replicas_to_aggregate:
-                    # In place: the accumulator is discarded by bump() right after.
-                    self._apply(slot, slot.acc.div_(slot.acc_count).to(slot.value.dtype))
-                    slot.bump()
-                    status = "applied"
-            version = slot.version
-        if status == "applied":
+        """:func:`stratagem.ps.rules.offer`, then wake the version waiters if it applied."""
+        result = rules.offer(slot, base, max_staleness, grad)
+        if result[1] == "applied":
             self._notify()
-        return [staleness, status, version]
+        return result
 
     # -- operations -----------------------------------------------------------------------
 
@@ -686,10 +574,10 @@ class ShardServer:
                         raise _err(f"register: bad spec index {idx!r}")
                     spec = specs[idx]
                 mode = m.get("mode", "async")
-                cost += _cost(e.tensor, mode, spec)
+                cost += rules.cost(e.tensor, mode, spec)
                 todo.append((e, mode, spec, m.get("replicas_to_aggregate", 1)))
             self._check_quota("register", cost)
-            new = [self._make_slot(e.name, e.tensor, mode, spec, replicas)
+            new = [rules.make_slot(e.name, e.tensor, mode, spec, replicas)
                    for e, mode, spec, replicas in todo]  # any refusal: nothing was inserted
             for slot in new:
                 self._slots[slot.name] = slot
@@ -724,7 +612,7 @@ class ShardServer:
         fetch = _names(msg.fields, "fetch")
         wanted = [self._slot(n) for n in fetch] if fetch is not None else []
         # Everything is checked before anything is applied: one bad tensor refuses the request.
-        checked: list[tuple[_Slot, Entry]] = []
+        checked: list[tuple[Slot, Entry]] = []
         for e in msg.entries:
             slot = self._slot(e.name)
             if slot.mode == "elastic":
@@ -733,13 +621,13 @@ class ShardServer:
                            "FAILED_PRECONDITION")
             if e.version is None:
                 raise _err(f"gradient for {slot.name!r} carries no base version")
-            self._check_grad(slot, e.tensor)
+            rules.check_grad(slot, e.tensor)
             checked.append((slot, e))
         if fetch is not None:
             self._check_reply("push", [(s.name, s.value.nbytes) for s in wanted],
                               extra=64 * len(checked))
         results = [self._offer(slot, e.version, max_staleness,
-                               functools.partial(self._grad, slot, e.tensor))
+                               functools.partial(rules.to_slot_dtype, slot, e.tensor))
                    for slot, e in checked]
         if fetch is None:
             return wire.encode("pushed", {"results": results})
@@ -759,7 +647,7 @@ class ShardServer:
                        f"'values' of shape (n, *{shape[1:]})")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
             raise _err(f"push_sparse: indices must be in [0, {shape[0]}) for {name!r}")
-        _require_finite(values, f"gradient rows for {slot.name!r}")
+        rules.require_finite(values, f"gradient rows for {slot.name!r}")
         base = next(e.version for e in msg.entries if e.name == "values")
         sparse = slot.mode == "async" and slot.spec is not None and ps_optim.supports_sparse(
             slot.spec)
@@ -824,23 +712,19 @@ class ShardServer:
         a = _float(msg.fields, "moving_rate")
         if not 0.0 < a <= 1.0:
             raise _err(f"moving_rate must be in (0, 1], got {a}")
-        checked: list[tuple[_Slot, Entry]] = []
+        checked: list[tuple[Slot, Entry]] = []
         for e in msg.entries:
             slot = self._slot(e.name)
             if slot.mode != "elastic":
                 raise _err(f"tensor {e.name!r} is registered in mode {slot.mode!r}, not "
                            "'elastic'", "FAILED_PRECONDITION")
-            self._check_grad(slot, e.tensor, "elastic exchange")
+            rules.check_grad(slot, e.tensor, "elastic exchange")
             checked.append((slot, e))
         self._check_reply("elastic", [(s.name, s.value.nbytes) for s, _ in checked])
         out = []
         for slot, e in checked:
-            x = self._grad(slot, e.tensor)
-            with slot.lock:
-                d = x - slot.value
-                slot.value.add_(d, alpha=a)
-                slot.version += 1
-                out.append(Entry(e.name, d, slot.version))
+            d, version = rules.elastic_exchange(slot, rules.to_slot_dtype(slot, e.tensor), a)
+            out.append(Entry(e.name, d, version))
         self._notify()
         return wire.encode("elastic", None, out)
 
@@ -849,19 +733,8 @@ class ShardServer:
         if not isinstance(hyper, dict) or "name" in hyper:
             raise _err("set_hyperparams needs a 'hyperparams' object (without 'name')")
         # Validate every new configuration the way torch would before changing any slot.
-        planned = []
-        for slot in self._select(_names(msg.fields)):
-            if slot.optimizer is None or slot.spec is None:
-                continue
-            spec = {**slot.spec, **hyper}
-            group = ps_optim.check_spec(spec)
-            keys = set(ps_optim.validate_spec(spec)) & set(hyper)
-            planned.append((slot, spec, {k: group[k] for k in keys if k in group}))
-        for slot, spec, values in planned:
-            with slot.lock:
-                slot.spec = spec
-                slot.sgd_lr = _plain_sgd_lr(spec)
-                slot.optimizer.param_groups[0].update(values)  # type: ignore[union-attr]
+        planned = rules.plan_hyperparameters(self._select(_names(msg.fields)), hyper)
+        rules.apply_hyperparameters(planned)
         return wire.encode("ok", {"changed": len(planned)})
 
     def _get_state(self, msg: Message) -> bytes:
@@ -941,23 +814,18 @@ class ShardServer:
                 if opt or scalars:
                     if mode == "elastic" or not isinstance(spec, dict):
                         raise _err(f"set_state: {name!r} has optimizer state but no optimizer")
-                    self._check_opt_state(name, value, spec, tensors, scalars)
-                adding += _cost(value, mode, spec)
+                    rules.check_opt_state(name, value, spec, tensors, scalars)
+                adding += rules.cost(value, mode, spec)
                 if old is not None:
-                    freeing += _cost(old.value, old.mode, old.spec)
+                    freeing += rules.cost(old.value, old.mode, old.spec)
                 plans.append((m, value, tensors, scalars))
             self._check_quota("set_state", adding, freeing)
-            new: list[_Slot] = []
+            new: list[Slot] = []
             for m, value, tensors, scalars in plans:
-                slot = self._make_slot(m["name"], value, m.get("mode", "async"), m.get("spec"),
+                slot = rules.make_slot(m["name"], value, m.get("mode", "async"), m.get("spec"),
                                        m.get("replicas_to_aggregate", 1))
                 slot.version = _int(m, "version", 0) or 0
-                if slot.optimizer is not None and (tensors or scalars):
-                    state: dict[str, Any] = dict(scalars)
-                    state.update({k: t.clone() for k, t in tensors.items()})
-                    group = {**slot.optimizer.param_groups[0]}
-                    group["params"] = [0]
-                    slot.optimizer.load_state_dict({"state": {0: state}, "param_groups": [group]})
+                rules.load_optimizer_state(slot, tensors, scalars)
                 new.append(slot)
             for slot in new:
                 self._slots[slot.name] = slot
@@ -965,96 +833,15 @@ class ShardServer:
         self._notify()
         return wire.encode("ok", {"restored": [s.name for s in new]})
 
-    @staticmethod
-    def _check_opt_state(name: str, value: torch.Tensor, spec: dict[str, Any],
-                         tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
-        layout = ps_optim.state_layout(spec)
-        given = set(tensors) | set(scalars)
-        if given != set(layout):
-            raise _err(f"set_state: optimizer state of {name!r} has entries {sorted(given)}, "
-                       f"optimizer {spec.get('name')!r} keeps {sorted(layout)}; save and "
-                       "restore with the same optimizer")
-        for k, t in tensors.items():
-            if layout[k]:
-                ok = tuple(t.shape) == tuple(value.shape) and t.is_floating_point()
-            else:
-                ok = t.numel() == 1
-            if not ok:
-                raise _err(f"set_state: optimizer state {k!r} of {name!r} has shape "
-                           f"{tuple(t.shape)} {t.dtype}; expected "
-                           f"{tuple(value.shape) if layout[k] else 'one element'}")
-            _require_finite(t, f"optimizer state {k!r} of {name!r}")
-        for k, v in scalars.items():
-            if not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-                raise _err(f"set_state: optimizer scalar {k!r} of {name!r} must be a finite "
-                           f"number, got {v!r}")
-
     def _shutdown(self, msg: Message) -> bytes:
         # Stop from another thread: stopping inside a handler would wait on this very call.
         threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
         return wire.encode("ok", {"stopping": True})
 
 
-def _state_copies(mode: str, spec: Any) -> int:
-    """How many parameter-sized buffers the slot's optimizer (and sync accumulator) keeps."""
-    if mode == "elastic" or not isinstance(spec, dict):
-        return 0
-    name = str(spec.get("name", "")).lower()
-    if name == "sgd":
-        n = 1 if spec.get("momentum") else 0
-    elif name in ("adam", "adamw"):
-        n = 3 if spec.get("amsgrad") else 2
-    elif name == "rmsprop":
-        n = 1 + bool(spec.get("momentum")) + bool(spec.get("centered"))
-    else:
-        n = 1
-    return n + (1 if mode == "sync" else 0)
-
-
-def _cost(value: torch.Tensor, mode: Any, spec: Any) -> int:
-    return value.nbytes * (1 + _state_copies(str(mode), spec))
-
-
-def _finite(t: torch.Tensor) -> bool:
-    if t.numel() == 0 or not t.is_floating_point():
-        return True
-    # One reduction (no boolean copy of the tensor): NaN or Inf anywhere makes the sum
-    # non-finite; only if it is do we look closer (a finite tensor whose sum overflows).
-    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-    if bool(torch.isfinite(total)):
-        return True
-    # Exact and still allocation-free (isfinite(t).all() is ~50x slower): max and min
-    # propagate NaN, and an infinity is one of them.
-    return bool(torch.isfinite(t.amax())) and bool(torch.isfinite(t.amin()))
-
-
-def _require_finite(t: torch.Tensor, what: str) -> None:
-    if not _finite(t):
-        raise _err(f"{what} holds NaN or Inf; refused so the shared model stays finite. Fix: "
-                   "skip non-finite steps on the worker (on_nonfinite='skip', or fp16 loss "
-                   "scaling), or lower the learning rate")
-
-
 def _bracketed(host: str) -> str:
     h = host.strip("[]")
     return f"[{h}]" if ":" in h else host
-
-
-def _plain_sgd_lr(spec: dict[str, Any] | None) -> float | None:
-    if spec is None or str(spec.get("name", "")).lower() != "sgd":
-        return None
-    if spec.get("momentum") or spec.get("weight_decay") or spec.get("maximize"):
-        return None
-    lr = spec.get("lr", 1e-3)
-    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
-
-
-def _warm_up_optimizers() -> None:
-    """Take one optimizer step now: torch's first one imports lazily for ~1 s, which would
-    otherwise land inside a worker's first (deadline-bound) registration."""
-    p = torch.nn.Parameter(torch.zeros(1))
-    p.grad = torch.zeros(1)
-    torch.optim.SGD([p], lr=0.0).step()
 
 
 def start_local_shards(num_shards: int, **kwargs: Any) -> tuple[list[ShardServer], list[str]]:

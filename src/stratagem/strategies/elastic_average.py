@@ -37,11 +37,12 @@ from ..parts.tensors import gather_ranks as _gather_ranks
 from ..parts.tensors import load_rank as _load_rank
 from ..parts.tensors import synced_tensors as _synced_tensors
 from ..ps.addresses import shard_addresses
+from ..ps.link import PSLink
 from ..strategy import Prepared, Strategy, StrategyOptimizer
 from ..validation import check_bool, check_choice, check_int, check_number, check_optional_number
 
 if TYPE_CHECKING:
-    from ..ps.client import PSClient, ShardedParameters
+    from ..ps.table import ShardedParameters
 
 __all__ = ["ElasticAveraging"]
 
@@ -174,10 +175,11 @@ class ElasticAveraging(Strategy):
         self.average_buffers = average_buffers
         self.wait_for_all = wait_for_all
         self.ps_addresses = addresses
+        # Async: the shards holding the center (connected when the first model is prepared).
+        self._ps = PSLink(addresses, comm=self.comm, timeout=self.timeout)
         # Sync mode: every worker must count the same local steps (a skipped step on one
         # worker would shift its exchange schedule), so the skip decision is agreed.
         self._synchronous_step = mode == "sync"
-        self._client: PSClient | None = None
         self._exchanges = 0
 
     @property
@@ -247,16 +249,11 @@ class ElasticAveraging(Strategy):
         self._setup_async(st)
 
     def _setup_async(self, st: _ElasticState) -> None:
-        from ..ps.client import PSClient, ShardedParameters
-
-        if self._client is None:
-            self._client = PSClient(self.ps_addresses, timeout=self.timeout)
-            self._client.wait_ready(timeout=self.timeout)
-        st.table = ShardedParameters(self._client, self._named(st), mode="elastic")
+        st.table = self._ps.table(self._named(st), mode="elastic")
         # The chief registers the center from its initial model, the others wait for it and
         # pull (issue 11); a worker (re)starting later gets the current center either way.
         center = st.table.join(register=self.is_chief, timeout=self.timeout)
-        self._fold_ps_bytes()
+        self._ps.fold_bytes()
         with torch.no_grad():
             for k, t in zip(st.keys, st.tensors, strict=True):
                 t.copy_(center[k])
@@ -271,12 +268,7 @@ class ElasticAveraging(Strategy):
         return {k: t.detach() for k, t in zip(st.keys, st.tensors, strict=True)}
 
     def _flush_counters(self) -> None:
-        self._fold_ps_bytes()
-
-    def _fold_ps_bytes(self) -> None:
-        """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
-        if self._client is not None:
-            self.comm.account(*self._client.stats_delta())
+        self._ps.fold_bytes()
 
     # ------------------------------------------------------------------ the step
     def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
@@ -320,7 +312,7 @@ class ElasticAveraging(Strategy):
             else:
                 assert st.table is not None
                 d_by_key = st.table.elastic_exchange(self._named(st), a)
-                self._fold_ps_bytes()
+                self._ps.fold_bytes()
                 for i, (k, t) in enumerate(zip(st.keys, st.tensors, strict=True)):
                     d = d_by_key[k]
                     c = st.center_copy[i] if st.center_copy else None
@@ -373,7 +365,7 @@ class ElasticAveraging(Strategy):
                 assert st.table is not None
                 if exchange:
                     d_by_key = st.table.elastic_exchange(self._named(st), a)
-                    self._fold_ps_bytes()
+                    self._ps.fold_bytes()
                     st.exchanged_at = prepared.local_steps
                 for i, (k, t) in enumerate(zip(st.keys, st.tensors, strict=True)):
                     c = st.center_copy[i]
@@ -403,7 +395,7 @@ class ElasticAveraging(Strategy):
             return st.center
         assert st.table is not None
         got = st.table.pull()
-        self._fold_ps_bytes()
+        self._ps.fold_bytes()
         return [got[k] for k in st.keys]
 
     def eval_model(self, model: nn.Module) -> nn.Module:
@@ -462,7 +454,7 @@ class ElasticAveraging(Strategy):
         assert st.table is not None
         if self.is_chief:
             st.table.set_state({"params": self._named(st)})
-            self._fold_ps_bytes()
+            self._ps.fold_bytes()
         # Nobody exchanges against the old center once restore returns.
         self.comm.barrier()
 
@@ -488,15 +480,9 @@ class ElasticAveraging(Strategy):
 
     # ------------------------------------------------------------------ misc
     def _extra_metrics(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"exchanges": self._exchanges, "moving_rate": self.moving_rate}
-        if self._client is not None:
-            s = self._client.stats()
-            out["ps_bytes_sent"] = s["bytes_sent"]
-            out["ps_bytes_received"] = s["bytes_received"]
-        return out
+        return {"exchanges": self._exchanges, "moving_rate": self.moving_rate,
+                **self._ps.metrics()}
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._ps.close()
         super().close()

@@ -33,11 +33,14 @@ from ..compression import COMPRESSIONS, ErrorFeedback
 from ..errors import PeerTimeoutError
 from ..ps import optim as ps_optim
 from ..ps.addresses import shard_addresses
+from ..ps.link import PSLink
 from ..strategy import Prepared, Strategy, StrategyOptimizer
+from ..validation import check_int
 
 if TYPE_CHECKING:
-    from ..ps.client import PSClient, PSFuture, PushOutcome, ShardedParameters
     from ..ps.placement import Partitioner
+    from ..ps.table import PushOutcome, ShardedParameters
+    from ..ps.transport import PSFuture
 
 __all__ = ["ParameterServer"]
 
@@ -216,7 +219,8 @@ class ParameterServer(Strategy):
             if error_feedback and compression is not None else None
         # Sync: every worker must push for every version, so a skip is agreed by all.
         self._synchronous_step = mode == "sync"
-        self._client: PSClient | None = None
+        # The shards (connected when the first model is prepared).
+        self._ps = PSLink(self.ps_addresses, comm=self.comm, timeout=self.timeout)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._staleness: collections.Counter[int] = collections.Counter()
         self._dropped = 0
@@ -231,11 +235,6 @@ class ParameterServer(Strategy):
         pass
 
     def _setup(self, prepared: Prepared) -> None:
-        from ..ps.client import PSClient, ShardedParameters
-
-        if self._client is None:
-            self._client = PSClient(self.ps_addresses, timeout=self.timeout)
-            self._client.wait_ready(timeout=self.timeout)
         index = len(self._prepared) - 1
         prefix = "" if index == 0 else f"model{index}/"
         names = prepared.param_names
@@ -273,8 +272,8 @@ class ParameterServer(Strategy):
         sparse = {prefix + n + ".weight" for n, m in prepared.module.named_modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
                   and prefix + n + ".weight" in by_key}
-        table = ShardedParameters(
-            self._client, {k: p.detach() for k, p in by_key.items()}, mode=self.mode,
+        table = self._ps.table(
+            {k: p.detach() for k, p in by_key.items()}, mode=self.mode,
             optimizer_specs=specs, replicas_to_aggregate=self.replicas_to_aggregate,
             max_staleness=self.max_staleness, partitioner=self.partitioner,
             small_tensor_bytes=self.small_tensor_bytes)
@@ -292,7 +291,7 @@ class ParameterServer(Strategy):
                 for k, p in by_key.items():
                     p.copy_(values[k])
                     st.base[k] = versions[k]
-            self._fold_ps_bytes()
+            self._ps.fold_bytes()
         for n, m in prepared.module.named_modules():
             key = prefix + n + ".weight"
             if key in sparse:
@@ -510,15 +509,10 @@ class ParameterServer(Strategy):
             for k, v in job.values.items():
                 st.by_key[k].copy_(v)
         st.base.update(job.versions)
-        self._fold_ps_bytes()
+        self._ps.fold_bytes()
 
     def _flush_counters(self) -> None:
-        self._fold_ps_bytes()
-
-    def _fold_ps_bytes(self) -> None:
-        """Count the parameter-server traffic in this replica's ``bytes_sent`` and co."""
-        if self._client is not None:
-            self.comm.account(*self._client.stats_delta())
+        self._ps.fold_bytes()
 
     # ------------------------------------------------------------------ global model
     @property
@@ -536,7 +530,7 @@ class ParameterServer(Strategy):
         if not st.by_key:
             return {}
         values, versions = st.table.fetch_async().result()
-        self._fold_ps_bytes()
+        self._ps.fold_bytes()
         return values
 
     def eval_model(self, model: nn.Module) -> nn.Module:
@@ -556,7 +550,7 @@ class ParameterServer(Strategy):
                 for k, v in values.items():
                     st.by_key[k].copy_(v)
             st.base.update(versions)
-            self._fold_ps_bytes()
+            self._ps.fold_bytes()
         return prepared.module
 
     def _finalize(self, prepared: Prepared) -> None:
@@ -621,7 +615,7 @@ class ParameterServer(Strategy):
         st.base.update(versions)
         for ost in st.opts.values():
             ost.acc, ost.acc_base = {}, {}
-        self._fold_ps_bytes()
+        self._ps.fold_bytes()
 
     def _find_opt(self, opt: torch.optim.Optimizer) -> tuple[_PSState, _OptState] | None:
         for prepared in self._prepared:
@@ -641,7 +635,7 @@ class ParameterServer(Strategy):
         st, ost = found
         self._install(st)
         shard = st.table.get_state()["optimizer"]
-        self._fold_ps_bytes()
+        self._ps.fold_bytes()
         index = 0
         state: dict[int, dict[str, Any]] = {}
         keys_by_id = {id(p): k for k, p in zip(ost.keys, ost.params, strict=True)}
@@ -670,8 +664,7 @@ class ParameterServer(Strategy):
                 spec = ps_optim.optimizer_spec(opt.optimizer if isinstance(
                     opt, StrategyOptimizer) else opt, gi)
                 ost.sent_specs[gi] = spec
-                for k in keys:
-                    st.table._specs[k] = dict(spec)
+                st.table.set_optimizer_specs(dict.fromkeys(keys, spec))
             current = st.table.get_state()
             current["optimizer"] = {**current["optimizer"], **per_key}
             current["versions"] = {k: v + 1 for k, v in current["versions"].items()}
@@ -691,11 +684,8 @@ class ParameterServer(Strategy):
             "pushes": self._pushes,
             "nonfinite_pushes_skipped": self._nonfinite_pushes,
             "sparse_rows_pulled": self._sparse_rows_pulled,
+            **self._ps.metrics(),
         }
-        if self._client is not None:
-            s = self._client.stats()
-            out["ps_bytes_sent"] = s["bytes_sent"]
-            out["ps_bytes_received"] = s["bytes_received"]
         return out
 
     def close(self) -> None:
@@ -714,14 +704,9 @@ class ParameterServer(Strategy):
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._ps.close()
         super().close()
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}. Fix: pass e.g. "
-                         f"{name}=1")
-    return value
+    return check_int(name, value, minimum=1, fix=f"pass e.g. {name}=1")

@@ -243,6 +243,19 @@ class FSDPSharding(Part):
             for group in inner.param_groups:
                 group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
+    def load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> bool:
+        """Full tensors (any checkpoint, any writer's world size): this replica keeps its
+        rows of each."""
+        for name, target in prepared.module.state_dict().items():
+            self.load_full(target, state[name])
+        return True
+
+    def eval_module(self, prepared: Prepared) -> nn.Module:
+        """A plain module of the user's class (from the meta-device template taken before
+        sharding, ties kept), uninitialised: the caller fills in the gathered values."""
+        module: nn.Module = prepared.state["fsdp_template"]
+        return _materialize(copy.deepcopy(module), self.device)
+
     def set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
         """Whether the next backward reduce-scatters (accumulation: not before the last
         micro-batch; the unsharded gradients accumulate locally meanwhile)."""
@@ -456,23 +469,11 @@ class Sharded(Strategy):
         assert isinstance(part, FSDPSharding)
         return part
 
-    def _grad_norm(self, prepared: Prepared, grads: list[torch.Tensor],
-                   norm_type: float) -> torch.Tensor:
-        return self.sharding.grad_norm(grads, norm_type)
-
     # ------------------------------------------------------------------ state
-    # _checkpoint_model is the base class's: the module's state with the part's consensus,
-    # i.e. the DTensor shards as FSDP2 holds them (a sharded checkpoint writes each replica's
-    # rows; save(..., consolidate=True) gathers them).
-
-    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
-        """Full tensors (any checkpoint, any writer's world size): each replica keeps its
-        rows."""
-        own = prepared.module.state_dict()
-        for name, target in own.items():
-            self.sharding.load_full(target, state[name])
-        for part in self.parts:
-            part.loaded(prepared)
+    # _grad_norm, _checkpoint_model and _load_model are the base class's, through the part's
+    # hooks: the global norm over the shards; the DTensor shards as FSDP2 holds them (a
+    # sharded checkpoint writes each replica's rows; save(..., consolidate=True) gathers
+    # them); full tensors from any checkpoint, of which each replica keeps its rows.
 
     def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         return opt.state_dict()
@@ -499,12 +500,7 @@ class Sharded(Strategy):
         prepared = self._find_prepared(model)
         if prepared is None:
             return model
-        clone: nn.Module | None = prepared.state.get("eval_copy")
-        if clone is None:
-            clone = _materialize(prepared.state["fsdp_template"], self.device)
-            if self.precision.dtype is not None:
-                clone.forward = self._autocast_forward(clone)  # type: ignore[method-assign]
-            prepared.state["eval_copy"] = clone
+        clone = self._eval_copy(prepared)  # made once (the part's eval_module), then refreshed
         targets = clone.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, value in prepared.module.state_dict().items():

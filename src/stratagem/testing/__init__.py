@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from .._rendezvous import loopback_tcp_store
 from ..comm import Comm, new_group
+from .faults import FaultyComm, InjectedFault
 
-__all__ = ["run_ranks", "gloo_group"]
+__all__ = ["run_ranks", "gloo_group", "FaultyComm", "InjectedFault"]
 
 _runs = itertools.count()
 

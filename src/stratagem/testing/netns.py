@@ -28,7 +28,10 @@ in the root namespace's routing, and parallel runs with distinct prefixes cannot
 
 Needs root (CAP_NET_ADMIN) and iproute2; :func:`netns_unavailable_reason` says why not, for a
 ``pytest.skip``. ``Topology`` is a context manager; ``down()`` is idempotent, deletes only the
-names this topology owns, and also runs when ``up()`` fails half-way.
+names this topology owns, and also runs when ``up()`` fails half-way. A process killed with
+SIGKILL cannot clean up: its namespaces (``ip netns list``, names ``n<pid><n>...``) stay until
+deleted by hand — they are not swept automatically, since a name alone does not prove who
+created it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sharded checkpoints: every replica writes its own rows, nothing is gathered to one rank.
 
-Used by :mod:`stratagem.checkpoint` when a strategy's model or optimizer state holds
+Used by :mod:`stratagem.checkpoint.state` when a strategy's model or optimizer state holds
 DTensor shards (``sg.Sharded``, FSDP2). The layout stays stratagem's own — safetensors + a
 JSON index, never pickle — inside the same atomic, versioned directory as every other
 checkpoint:
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from .comm import Comm
-from .errors import CheckpointError
+from ..comm import Comm
+from ..errors import CheckpointError
 
 __all__ = ["is_sharded", "gather_full", "localize", "shard_index", "shard_files", "merge",
            "save_entry", "load_entry", "commit_with_shards"]

@@ -1,0 +1,591 @@
+"""Worker side of the parameter-server runtime, the table: a model's tensors on the shards.
+
+:class:`ShardedParameters` places a model's tensors on the shards of a
+:class:`~stratagem.ps.transport.PSClient` (greedy by bytes, small tensors grouped, big ones
+partitioned: the tf_cnn_benchmarks variable manager, see :mod:`stratagem.ps.placement`) and
+offers the operations strategies need over that placement: Downpour SGD pushes and pulls
+(Dean et al. 2012), synchronous aggregation as in TensorFlow's ``SyncReplicasOptimizer``,
+sparse embedding rows, and the asynchronous EASGD elastic exchange (Zhang, Choromanska,
+LeCun 2015).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from stratagem.compression import KINDS, check_compression
+from stratagem.errors import PeerTimeoutError
+from stratagem.ps import optim as ps_optim
+from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
+from stratagem.ps.transport import PSClient, PSFuture, RemoteError, Request
+from stratagem.ps.wire import Entry, Message
+
+__all__ = ["ShardedParameters", "PushOutcome", "PushFetch"]
+
+_STATUS_RANK = {"applied": 0, "accumulated": 1, "dropped": 2}
+
+
+class PushOutcome(NamedTuple):
+    """What a shard did with one pushed gradient."""
+
+    staleness: int  # shard version minus the version the gradient was computed on
+    status: str  # "applied", "accumulated" (sync, waiting for more replicas) or "dropped"
+    version: int  # the tensor's version after the push
+
+    @property
+    def applied(self) -> bool:
+        """The optimizer ran with this gradient (alone, or as part of a sync mean)."""
+        return self.status == "applied"
+
+    @property
+    def accepted(self) -> bool:
+        """Not dropped: applied, or held for the sync mean of this version."""
+        return self.status != "dropped"
+
+
+class PushFetch(NamedTuple):
+    """What :meth:`ShardedParameters.push_fetch_async` returns."""
+
+    outcomes: dict[str, PushOutcome]  # per pushed tensor
+    values: dict[str, torch.Tensor]  # per fetched tensor, after the push
+    versions: dict[str, int]  # per fetched tensor, the version of ``values``
+
+
+def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
+    return t if p.num_parts == 1 else t[p.row_start:p.row_end]
+
+
+class ShardedParameters:
+    """A model's named tensors living on parameter-server shards.
+
+    ``params`` (ordered ``name -> tensor``) is placed on the client's shards (deterministic:
+    every worker computes the same placement), then :meth:`register` creates the tensors on
+    the shards, or returns the existing values if another worker registered first.
+
+    ``mode``: ``"async"`` (Downpour: each gradient applied on arrival, optionally dropped when
+    more than ``max_staleness`` versions old), ``"sync"`` (the mean of ``replicas_to_aggregate``
+    gradients of the current version is applied; late ones are dropped) or ``"elastic"``
+    (EASGD center variables, changed only by :meth:`elastic_exchange`).
+
+    Failure behaviour: as :class:`PSClient` (``ParameterServerUnavailable`` naming the shard);
+    :meth:`wait_version` raises :class:`stratagem.errors.PeerTimeoutError` when the version is
+    not reached in time. Tensors returned by pulls may share memory with the received message
+    (no copy); they are private to the caller and safe to modify.
+    """
+
+    def __init__(self, client: PSClient, params: Mapping[str, torch.Tensor], *,
+                 mode: str = "async", optimizer_spec: Mapping[str, Any] | None = None,
+                 optimizer_specs: Mapping[str, Mapping[str, Any]] | None = None,
+                 replicas_to_aggregate: int = 1, max_staleness: int | None = None,
+                 partitioner: Partitioner | None = None, small_tensor_bytes: int = 65536,
+                 placement: str = "greedy") -> None:
+        if mode not in ("async", "sync", "elastic"):
+            raise ValueError(f"mode must be 'async', 'sync' or 'elastic', got {mode!r}")
+        if mode != "elastic" and optimizer_spec is None and not optimizer_specs:
+            raise ValueError(f"mode {mode!r} needs optimizer_spec (e.g. "
+                             "stratagem.ps.optim.optimizer_spec(torch_optimizer))")
+        if not isinstance(replicas_to_aggregate, int) or replicas_to_aggregate < 1:
+            raise ValueError(f"replicas_to_aggregate must be a positive integer, got "
+                             f"{replicas_to_aggregate!r}")
+        if max_staleness is not None and (not isinstance(max_staleness, int) or
+                                          max_staleness < 0):
+            raise ValueError(f"max_staleness must be None or an integer >= 0, got "
+                             f"{max_staleness!r}")
+        self.client, self.mode = client, mode
+        self.replicas_to_aggregate, self.max_staleness = replicas_to_aggregate, max_staleness
+        self._params = params
+        self._shapes = {k: tuple(t.shape) for k, t in params.items()}
+        self._dtypes = {k: t.dtype for k, t in params.items()}
+        specs: dict[str, dict[str, Any] | None] = {}
+        for name in params:
+            s = (optimizer_specs or {}).get(name, optimizer_spec)
+            if mode == "elastic":
+                s = None
+            elif s is not None:
+                ps_optim.validate_spec(s)
+                s = dict(s)
+            specs[name] = s
+        self._specs = specs
+        self.placement: Placement = place(specs_of(params), client.num_shards,
+                                          strategy=placement,
+                                          small_tensor_bytes=small_tensor_bytes,
+                                          partitioner=partitioner)
+        self._parts = {name: self.placement.parts_of(name) for name in params}
+        self._versions: dict[str, int] = {}
+        self._vlock = threading.Lock()
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """Per tensor, the (lowest part's) version of the values this worker last received."""
+        with self._vlock:
+            return {n: min(self._versions.get(p.key, -1) for p in parts)
+                    for n, parts in self._parts.items()}
+
+    def stats(self) -> dict[str, float]:
+        return self.client.stats()
+
+    def _check(self, name: str) -> list[Part]:
+        parts = self._parts.get(name)
+        if parts is None:
+            raise KeyError(f"{name!r} is not one of the sharded tensors; known: "
+                           f"{self.names[:5]}{'...' if len(self._parts) > 5 else ''}")
+        return parts
+
+    def _by_shard(self, names: Sequence[str]) -> dict[int, list[Part]]:
+        out: dict[int, list[Part]] = {}
+        for n in names:
+            for p in self._check(n):
+                out.setdefault(p.shard, []).append(p)
+        return out
+
+    def _assemble(self, msgs: Sequence[Message], names: Sequence[str],
+                  into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        with self._vlock:
+            for m in msgs:
+                for e in m.entries:
+                    got[e.name] = e.tensor
+                    if e.version is not None:
+                        self._versions[e.name] = e.version
+        out: dict[str, torch.Tensor] = {}
+        for n in names:
+            parts = self._parts[n]
+            if into is not None and n in into:
+                dst = into[n]
+                with torch.no_grad():
+                    for p in parts:
+                        _rows(dst, p).copy_(got[p.key])
+                out[n] = dst
+            elif len(parts) == 1:
+                out[n] = got[parts[0].key]
+            else:
+                out[n] = torch.cat([got[p.key] for p in parts])
+        return out
+
+    # -- operations -----------------------------------------------------------------------
+
+    def register(self) -> dict[str, torch.Tensor]:
+        """Create the tensors on the shards (first registration wins); returns current values."""
+        distinct: list[dict[str, Any]] = []
+        reqs: list[Request] = []
+        for shard, parts in sorted(self._by_shard(self.names).items()):
+            metas, entries = [], []
+            for p in parts:
+                spec = self._specs[p.name]
+                idx = None
+                if spec is not None:
+                    if spec not in distinct:
+                        distinct.append(spec)
+                    idx = distinct.index(spec)
+                metas.append({"mode": self.mode, "spec": idx,
+                              "replicas_to_aggregate": self.replicas_to_aggregate})
+                entries.append(Entry(p.key, _rows(self._params[p.name], p)))
+            reqs.append((shard, "register", {"entries": metas, "specs": distinct}, entries))
+        names = self.names
+        return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
+
+    def join(self, *, register: bool, timeout: float | None = None,
+             poll: float = 0.05) -> dict[str, torch.Tensor]:
+        """Start from the shards' values: :meth:`register` them (``register=True``, the chief's
+        part) or wait until they are registered and pull them (everybody else), so every
+        worker starts from the chief's initial values rather than whichever registered first.
+
+        Raises :class:`stratagem.errors.PeerTimeoutError` if nothing is registered within
+        ``timeout`` seconds (default: the client's timeout).
+        """
+        if register:
+            return self.register()
+        wait = self.client.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.pull()
+            except RemoteError as exc:
+                if exc.code != "NOT_FOUND":
+                    raise
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(
+                        f"the chief (replica 0) did not register the parameters on the "
+                        f"parameter-server shards within {wait:g} s ({exc}); check that it "
+                        "started, or raise timeout=") from None
+            time.sleep(poll)
+
+    def pull_async(self, names: Sequence[str] | None = None, *,
+                   into: Mapping[str, torch.Tensor] | None = None
+                   ) -> PSFuture[dict[str, torch.Tensor]]:
+        """Start pulling (e.g. next step's parameters while this step computes)."""
+        names = self.names if names is None else list(names)
+        reqs: list[Request] = [(s, "pull", {"names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(names).items())]
+        return self.client.submit(reqs, lambda ms: self._assemble(ms, names, into))
+
+    def fetch_async(self, names: Sequence[str] | None = None
+                    ) -> PSFuture[tuple[dict[str, torch.Tensor], dict[str, int]]]:
+        """Start pulling ``names``; the result is ``(values, versions)`` with each tensor's
+        (lowest part's) version, read from the same snapshot as its value."""
+        names = self.names if names is None else list(names)
+        reqs: list[Request] = [(s, "pull", {"names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(names).items())]
+
+        def finish(msgs: list[Message]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+            seen = {e.name: int(e.version or 0) for m in msgs for e in m.entries}
+            values = self._assemble(msgs, names)
+            return values, {n: min(seen[p.key] for p in self._parts[n]) for n in names}
+
+        return self.client.submit(reqs, finish)
+
+    def pull(self, names: Sequence[str] | None = None, *,
+             into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Current values (copied into ``into[name]`` where given, e.g. the model's params)."""
+        return self.pull_async(names, into=into).result()
+
+    def _base(self, p: Part, base_versions: Mapping[str, int] | int | None) -> int:
+        if isinstance(base_versions, int):
+            return base_versions
+        if base_versions is not None and p.name in base_versions:
+            return int(base_versions[p.name])
+        with self._vlock:
+            v = self._versions.get(p.key)
+        if v is None:
+            raise ValueError(f"no base version for {p.name!r}: call register() or pull() first, "
+                             "or pass base_versions")
+        return v
+
+    def push_async(self, grads: Mapping[str, torch.Tensor],
+                   base_versions: Mapping[str, int] | int | None = None, *,
+                   compress: str | None = None, max_staleness: int | None = None
+                   ) -> PSFuture[dict[str, PushOutcome]]:
+        """Start pushing gradients computed on ``base_versions`` (default: last pulled)."""
+        return self.push_fetch_async(grads, base_versions, fetch=None, compress=compress,
+                                     max_staleness=max_staleness).map(lambda r: r.outcomes)
+
+    def push_fetch_async(self, grads: Mapping[str, torch.Tensor],
+                         base_versions: Mapping[str, int] | int | None = None, *,
+                         fetch: Sequence[str] | None, compress: str | None = None,
+                         max_staleness: int | None = None) -> PSFuture[PushFetch]:
+        """Push gradients and fetch ``fetch`` (tensor names) in one round trip per shard:
+        each shard applies the push, then answers with the values after it (a Downpour step).
+        """
+        cdtype = KINDS[check_compression(compress, name="compress")]
+        names = list(grads)
+        fetch_names = [] if fetch is None else list(fetch)
+        by_shard = self._by_shard(names)
+        fetch_by_shard = self._by_shard(fetch_names)
+        ms = self.max_staleness if max_staleness is None else max_staleness
+        reqs: list[Request] = []
+        order: list[list[Part]] = []
+        for shard in sorted(set(by_shard) | set(fetch_by_shard)):
+            parts = by_shard.get(shard, [])
+            entries = []
+            for p in parts:
+                g = grads[p.name]
+                if tuple(g.shape) != self._shapes[p.name]:
+                    raise ValueError(f"gradient for {p.name!r} has shape {tuple(g.shape)}, the "
+                                     f"parameter has {self._shapes[p.name]}")
+                g = _rows(g, p)
+                if cdtype is not None and g.is_floating_point():
+                    g = g.to(cdtype)
+                entries.append(Entry(p.key, g, self._base(p, base_versions)))
+            fields: dict[str, Any] = {"max_staleness": ms}
+            if fetch is not None:
+                fields["fetch"] = [p.key for p in fetch_by_shard.get(shard, [])]
+            reqs.append((shard, "push", fields, entries))
+            order.append(parts)
+
+        def finish(msgs: list[Message]) -> PushFetch:
+            per_part: dict[str, list[PushOutcome]] = {}
+            for parts, m in zip(order, msgs, strict=True):
+                for p, r in zip(parts, m.fields["results"], strict=True):
+                    per_part.setdefault(p.name, []).append(PushOutcome(*r))
+            outcomes = {n: _combine(per_part[n]) for n in names}
+            if fetch is None:
+                return PushFetch(outcomes, {}, {})
+            seen = {e.name: int(e.version or 0) for m in msgs for e in m.entries}
+            values = self._assemble(msgs, fetch_names)
+            versions = {n: min(seen[p.key] for p in self._parts[n]) for n in fetch_names}
+            return PushFetch(outcomes, values, versions)
+
+        return self.client.submit(reqs, finish)
+
+    def push(self, grads: Mapping[str, torch.Tensor],
+             base_versions: Mapping[str, int] | int | None = None, *,
+             compress: str | None = None, max_staleness: int | None = None
+             ) -> dict[str, PushOutcome]:
+        """Push gradients; returns per tensor the staleness and what the shard did."""
+        return self.push_async(grads, base_versions, compress=compress,
+                               max_staleness=max_staleness).result()
+
+    def _row_parts(self, name: str, indices: torch.Tensor, every_part: bool = False
+                   ) -> list[tuple[Part, torch.Tensor, torch.Tensor]]:
+        parts = self._check(name)
+        shape = self._shapes[name]
+        if len(shape) < 1:
+            raise ValueError(f"{name!r} is a scalar; rows need a tensor with dim >= 1")
+        idx = torch.as_tensor(indices).to(torch.int64).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
+            raise IndexError(f"row indices for {name!r} must be in [0, {shape[0]}), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        out = []
+        for p in parts:
+            mask = (idx >= p.row_start) & (idx < p.row_end)
+            if every_part or p.num_parts == 1 or bool(mask.any()):
+                out.append((p, mask, idx[mask] - p.row_start))
+        return out
+
+    def pull_rows(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """Rows ``indices`` of 2-D+ tensor ``name`` (e.g. the embeddings of a batch's tokens)."""
+        return self.pull_rows_versioned(name, indices)[0]
+
+    def pull_rows_versioned(self, name: str, indices: torch.Tensor
+                            ) -> tuple[torch.Tensor, int]:
+        """:meth:`pull_rows` plus the (lowest part's) version the rows were read at."""
+        flat = torch.as_tensor(indices).to(torch.int64).reshape(-1)
+        # Shards refuse repeated rows (a reply must not grow beyond the tensor): ask for each
+        # row once and expand the repeats here.
+        rows, inverse = torch.unique(flat, return_inverse=True)
+        routed = self._row_parts(name, rows)
+        reqs: list[Request] = [(p.shard, "pull_rows", {"name": p.key},
+                                [Entry("indices", local)]) for p, _, local in routed]
+        n = int(rows.numel())
+
+        def finish(msgs: list[Message]) -> tuple[torch.Tensor, int]:
+            version = min((int(m.entries[0].version or 0) for m in msgs), default=0)
+            with self._vlock:
+                for (p, _, _), m in zip(routed, msgs, strict=True):
+                    self._versions[p.key] = int(m.entries[0].version or 0)
+            if len(routed) == 1 and routed[0][0].num_parts == 1:
+                out = msgs[0].entries[0].tensor
+            else:
+                out = torch.empty((n, *self._shapes[name][1:]), dtype=self._dtypes[name])
+                for (_, mask, _), m in zip(routed, msgs, strict=True):
+                    out[mask] = m.entries[0].tensor
+            if n == flat.numel() and bool((rows == flat).all()):
+                return out, version
+            return out.index_select(0, inverse), version
+
+        return self.client.submit(reqs, finish).result()
+
+    def push_sparse(self, name: str, indices: torch.Tensor, values: torch.Tensor, *,
+                    base_version: int | None = None, compress: str | None = None,
+                    max_staleness: int | None = None) -> PushOutcome:
+        """Push the gradient rows ``values`` of rows ``indices`` (duplicates are summed)."""
+        return self.push_sparse_async(name, indices, values, base_version=base_version,
+                                      compress=compress, max_staleness=max_staleness).result()
+
+    def push_sparse_async(self, name: str, indices: torch.Tensor, values: torch.Tensor, *,
+                          base_version: int | None = None, compress: str | None = None,
+                          max_staleness: int | None = None) -> PSFuture[PushOutcome]:
+        """Start :meth:`push_sparse`. In ``"sync"`` mode every part of a partitioned tensor
+        gets a (possibly empty) push, so every part's version advances together."""
+        cdtype = KINDS[check_compression(compress, name="compress")]
+        routed = self._row_parts(name, indices, every_part=self.mode == "sync")
+        values = values.reshape(-1, *self._shapes[name][1:])
+        if cdtype is not None:
+            values = values.to(cdtype)
+        ms = self.max_staleness if max_staleness is None else max_staleness
+        reqs: list[Request] = []
+        for p, mask, local in routed:
+            base = base_version if base_version is not None else self._base(p, None)
+            reqs.append((p.shard, "push_sparse", {"name": p.key, "max_staleness": ms},
+                         [Entry("indices", local), Entry("values", values[mask], base)]))
+        return self.client.submit(
+            reqs, lambda ms_: _combine([PushOutcome(*m.fields["results"][0]) for m in ms_]))
+
+    def elastic_exchange(self, params: Mapping[str, torch.Tensor], moving_rate: float
+                         ) -> dict[str, torch.Tensor]:
+        """EASGD: per tensor ``d = x - center; center += moving_rate * d``; returns ``d``.
+
+        The caller then applies ``x -= moving_rate * d`` to its local copy.
+        """
+        if not 0.0 < float(moving_rate) <= 1.0:
+            raise ValueError(f"moving_rate must be in (0, 1], got {moving_rate!r}")
+        names = list(params)
+        reqs: list[Request] = [
+            (s, "elastic", {"moving_rate": float(moving_rate)},
+             [Entry(p.key, _rows(params[p.name].detach(), p)) for p in parts])
+            for s, parts in sorted(self._by_shard(names).items())]
+        return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
+
+    def wait_version(self, min_version: int, timeout: float | None = None, *,
+                     names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Block until every tensor (of ``names``, default all) reaches ``min_version``;
+        returns the values then.
+
+        Raises :class:`stratagem.errors.PeerTimeoutError` after ``timeout`` seconds (default:
+        the client's timeout) if it was not reached, e.g. because workers died.
+        """
+        names = self.names if names is None else list(names)
+        values, _ = self.wait_for({n: int(min_version) for n in names}, timeout=timeout)
+        return values
+
+    def wait_for(self, targets: Mapping[str, int], *, fetch: Sequence[str] | None = None,
+                 timeout: float | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Block until tensor ``name`` reaches version ``targets[name]`` for every name.
+
+        Returns ``(values, versions)``: the values of ``fetch`` (default: every name in
+        ``targets``) and the versions of every name in ``targets`` once reached. Raises
+        :class:`stratagem.errors.PeerTimeoutError` after ``timeout`` seconds (default: the
+        client's timeout) naming the shards that did not get there.
+        """
+        wait = self.client.timeout if timeout is None else float(timeout)
+        names = list(targets)
+        wanted = names if fetch is None else list(fetch)
+        wanted_keys = {p.key for n in wanted for p in self._check(n)}
+        goal = {p.key: int(targets[n]) for n in names for p in self._check(n)}
+        pending = dict(sorted(self._by_shard(names).items()))
+        got: list[Message] = []
+        versions: dict[str, int] = {}
+        deadline = time.monotonic() + wait
+        # Shards bound each wait (and answer early when busy), so poll until our deadline.
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            shards = list(pending)
+            reqs: list[Request] = []
+            for s in shards:
+                keys = [p.key for p in pending[s]]
+                reqs.append((s, "wait_version", {
+                    "timeout": remaining, "names": keys,
+                    "min_versions": {k: goal[k] for k in keys},
+                    "fetch": [k for k in keys if k in wanted_keys]}, ()))
+            msgs = self.client.submit(reqs, lambda ms: ms,
+                                      timeout=remaining + self.client.timeout).result()
+            for s, m in zip(shards, msgs, strict=True):
+                if m.fields.get("reached"):
+                    got.append(m)
+                    versions.update(m.fields.get("versions", {}))
+                    del pending[s]
+            if not pending:
+                values = self._assemble(got, wanted)
+                return values, {n: min(versions[p.key] for p in self._parts[n]) for n in names}
+            if time.monotonic() >= deadline:
+                break
+        late = [self.client.addresses[s] for s in pending]
+        lows = {k: v for m in msgs for k, v in m.fields.get("versions", {}).items()
+                if v < goal.get(k, 0)}
+        raise PeerTimeoutError(
+            f"parameter-server shard(s) {late} did not reach version "
+            f"{max(goal.values(), default=0)} within {wait:g} s (still at "
+            f"{dict(list(lows.items())[:3])}): fewer than replicas_to_aggregate="
+            f"{self.replicas_to_aggregate} workers pushed; check for dead workers or lower "
+            "replicas_to_aggregate")
+
+    def set_hyperparameters(self, names: Sequence[str] | None = None,
+                            **hyperparams: Any) -> None:
+        """Change optimizer hyperparameters on the shards (e.g. ``lr`` from a scheduler), for
+        the tensors ``names`` (default: all)."""
+        names = self.names if names is None else list(names)
+        hyper = {k: ps_optim.jsonable(k, v) for k, v in hyperparams.items()}
+        for name in names:
+            spec = self._specs[name]
+            if spec is not None:
+                ps_optim.validate_spec({**spec, **hyper})
+                spec.update(hyper)
+        reqs: list[Request] = [(s, "set_hyperparams", {"hyperparams": hyper,
+                                                       "names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(names).items())]
+        self.client.submit(reqs, lambda ms: None).result()
+
+    def set_optimizer_specs(self, specs: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace the optimizer specs of the tensors named in ``specs``, locally: they take
+        effect with the next :meth:`set_state` (e.g. restoring an optimizer checkpoint whose
+        hyperparameters differ from the registered ones). Use :meth:`set_hyperparameters` to
+        change running shards directly."""
+        checked: dict[str, dict[str, Any]] = {}
+        for name, spec in specs.items():
+            self._check(name)
+            if self.mode == "elastic":
+                raise ValueError(f"{name!r} is an elastic (EASGD center) tensor: it has no "
+                                 "optimizer on the shards, so no spec to set")
+            ps_optim.validate_spec(spec)
+            checked[name] = dict(spec)
+        self._specs.update(checked)
+
+    def get_state(self) -> dict[str, Any]:
+        """Everything needed to restore the shards, independent of the placement.
+
+        ``{"params": {name: tensor}, "optimizer": {name: {state_key: tensor}},
+        "versions": {name: int}}``; partitioned tensors are reassembled.
+        """
+        names = self.names
+        reqs: list[Request] = [(s, "get_state", {"names": [p.key for p in parts]}, ())
+                               for s, parts in sorted(self._by_shard(names).items())]
+        msgs = self.client.submit(reqs, lambda ms: ms).result()
+        params: dict[str, torch.Tensor] = {}
+        opt: dict[str, dict[str, torch.Tensor]] = {}
+        versions: dict[str, int] = {}
+        by_key: dict[str, tuple[dict[str, Any], Message]] = {}
+        for m in msgs:
+            for meta in m.fields["slots"]:
+                by_key[meta["name"]] = (meta, m)
+        for n in names:
+            parts = self._parts[n]
+            metas = [by_key[p.key] for p in parts]
+            vals = [m.entries[meta["param"]].tensor for meta, m in metas]
+            params[n] = vals[0] if len(vals) == 1 else torch.cat(vals)
+            versions[n] = min(meta["version"] for meta, _ in metas)
+            state: dict[str, torch.Tensor] = {}
+            meta0 = metas[0][0]
+            for k in meta0["opt"]:
+                pieces = [m.entries[meta["opt"][k]].tensor for meta, m in metas]
+                rowwise = all(t.dim() == len(p.shape) and t.dim() > 0 and t.shape[0] == p.shape[0]
+                              for t, p in zip(pieces, parts, strict=True))
+                state[k] = torch.cat(pieces) if rowwise and len(pieces) > 1 else pieces[0]
+            for k, v in meta0["scalars"].items():
+                state[k] = torch.tensor(v)
+            opt[n] = state
+        return {"params": params, "optimizer": opt, "versions": versions}
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`get_state` output (from any placement) onto the shards."""
+        params = state["params"]
+        opt = state.get("optimizer", {})
+        versions = state.get("versions", {})
+        missing = [n for n in self.names if n not in params]
+        if missing:
+            raise KeyError(f"state has no value for {missing[:3]}; it was saved from a "
+                           "different model")
+        reqs: list[Request] = []
+        for shard, parts in sorted(self._by_shard(self.names).items()):
+            metas: list[dict[str, Any]] = []
+            entries: list[Entry] = []
+            for p in parts:
+                value = params[p.name]
+                if tuple(value.shape) != self._shapes[p.name]:
+                    raise ValueError(f"state[{p.name!r}] has shape {tuple(value.shape)}, the "
+                                     f"parameter has {self._shapes[p.name]}")
+                meta: dict[str, Any] = {
+                    "name": p.key, "version": int(versions.get(p.name, 0)), "mode": self.mode,
+                    "spec": self._specs[p.name], "param": len(entries),
+                    "replicas_to_aggregate": self.replicas_to_aggregate, "opt": {}}
+                entries.append(Entry(p.key, _rows(value.to(self._dtypes[p.name]), p)))
+                for k, t in opt.get(p.name, {}).items():
+                    rowwise = t.dim() == len(value.shape) and t.dim() > 0 and (
+                        t.shape[0] == value.shape[0])
+                    meta["opt"][k] = len(entries)
+                    entries.append(Entry(f"{p.key}.{k}", _rows(t, p) if rowwise else t))
+                metas.append(meta)
+            reqs.append((shard, "set_state", {"slots": metas}, entries))
+        self.client.submit(reqs, lambda ms: None).result()
+        with self._vlock:
+            for n, parts in self._parts.items():
+                for p in parts:
+                    self._versions[p.key] = int(versions.get(n, 0))
+
+
+def _combine(outcomes: Sequence[PushOutcome]) -> PushOutcome:
+    """One outcome for a partitioned tensor: the worst status, max staleness, min version."""
+    status = max((o.status for o in outcomes), key=_STATUS_RANK.__getitem__)
+    return PushOutcome(max(o.staleness for o in outcomes), status,
+                       min(o.version for o in outcomes))

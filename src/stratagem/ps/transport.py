@@ -1,0 +1,232 @@
+"""Worker side of the parameter-server runtime, the transport: gRPC channels to the shards.
+
+:class:`PSClient` sends :mod:`stratagem.ps.wire` messages to the shards (a deadline on every
+call, concurrent calls to different shards, byte and time accounting) and maps gRPC failures
+to stratagem errors; :class:`PSFuture` is a set of calls in flight. What the messages *mean*
+(which tensor lives where, pushes, pulls, versions) is :mod:`stratagem.ps.table`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from stratagem.errors import ParameterServerUnavailable, StratagemError
+from stratagem.ps import auth as ps_auth
+from stratagem.ps import wire
+from stratagem.ps.wire import Entry, Message
+
+__all__ = ["PSClient", "PSFuture", "RemoteError", "Request"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+#: One call: (shard index, op, fields, entries).
+Request = tuple[int, str, "Mapping[str, Any] | None", Sequence[Entry]]
+
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED)
+
+
+class RemoteError(StratagemError):
+    """A shard answered but refused the request; ``code`` is the gRPC status name."""
+
+    def __init__(self, message: str, *, code: str, address: str) -> None:
+        super().__init__(message)
+        self.code, self.address = code, address
+
+
+class PSFuture(Generic[T]):
+    """Calls in flight to one or more shards; :meth:`result` waits (bounded by the deadline)."""
+
+    def __init__(self, client: PSClient, calls: list[tuple[int, str, Any, float]],
+                 finish: Callable[[list[Message]], T], t_issue: float) -> None:
+        self._client, self._calls, self._finish = client, calls, finish
+        self._seconds = t_issue
+        self._lock = threading.Lock()
+        self._value: tuple[T] | None = None
+
+    def done(self) -> bool:
+        return all(c[2].done() for c in self._calls)
+
+    def map(self, fn: Callable[[T], U]) -> PSFuture[U]:
+        """The same calls, with ``fn`` applied to what :meth:`result` returns (e.g. one field
+        of a combined reply)."""
+        finish = self._finish
+        return PSFuture(self._client, self._calls, lambda msgs: fn(finish(msgs)),
+                        self._seconds)
+
+    def result(self) -> T:
+        with self._lock:
+            if self._value is None:
+                t0 = time.perf_counter()
+                try:
+                    msgs = [self._client._receive(*c) for c in self._calls]
+                finally:
+                    self._client._account(0, 0, self._seconds + time.perf_counter() - t0)
+                self._value = (self._finish(msgs),)
+            return self._value[0]
+
+
+class PSClient:
+    """gRPC connections to the parameter-server shards.
+
+    Failure behaviour: a shard that does not answer within ``timeout`` seconds, or whose
+    connection is down, raises :class:`stratagem.errors.ParameterServerUnavailable` naming its
+    ``host:port`` (no call waits longer than its deadline); a shard that refuses a request
+    raises :class:`RemoteError` with the gRPC status and the shard's explanation.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, token: str | None = None,
+                 tls_root_cert: bytes | str | os.PathLike[str] | None = None,
+                 tls_server_name: str | None = None, timeout: float = 60.0,
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        if isinstance(addresses, str) or not addresses:
+            raise ValueError(f"addresses must be a non-empty list of 'host:port', got "
+                             f"{addresses!r}; e.g. STRATAGEM_PS_ADDRS.split(',')")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        self.addresses = list(addresses)
+        self.timeout = float(timeout)
+        self.limits = wire.Limits(max_message_bytes=max_message_bytes)
+        # The shard's token: token=, else STRATAGEM_PS_TOKEN, else STRATAGEM_PS_TOKEN_FILE
+        # (what launcher-started shards hand their workers); blank is an error.
+        token = ps_auth.resolve_token(token)
+        self._metadata = ((wire.TOKEN_METADATA_KEY, token),) if token else None
+        options = wire.channel_options(max_message_bytes)
+        # Strategies build their client from the environment, like the token: a job whose
+        # shards serve TLS exports the root certificate (and server name) to every worker.
+        if tls_root_cert is None:
+            tls_root_cert = os.environ.get("STRATAGEM_PS_TLS_ROOT_CERT") or None
+        if tls_server_name is None:
+            tls_server_name = os.environ.get("STRATAGEM_PS_TLS_SERVER_NAME") or None
+        if tls_root_cert is not None:
+            root = ps_auth.read_pem(tls_root_cert, "root certificate (tls_root_cert / "
+                                              "STRATAGEM_PS_TLS_ROOT_CERT)")
+            creds = grpc.ssl_channel_credentials(root_certificates=root)
+            if tls_server_name:
+                options = [*options, ("grpc.ssl_target_name_override", tls_server_name)]
+            self._channels = [grpc.secure_channel(a, creds, options=options)
+                              for a in self.addresses]
+        else:
+            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        # request_serializer/response_deserializer None: raw bytes both ways.
+        self._stubs = [ch.unary_unary(wire.METHOD) for ch in self._channels]
+        self._stats_lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.comm_seconds = 0.0
+        self.num_calls = 0
+        self._stats_seen: tuple[int, int, float] = (0, 0, 0.0)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _account(self, sent: int, received: int, seconds: float, calls: int = 0) -> None:
+        with self._stats_lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+            self.comm_seconds += seconds
+            self.num_calls += calls
+
+    def _receive(self, shard: int, op: str, fut: Any, timeout: float) -> Message:
+        addr = self.addresses[shard]
+        try:
+            data = fut.result()
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in _UNAVAILABLE:
+                raise ParameterServerUnavailable(
+                    f"parameter-server shard {addr} did not answer {op!r} within {timeout:g} s "
+                    f"({code.name}: {exc.details()}); check that the shard process is running "
+                    "and reachable (STRATAGEM_PS_ADDRS), or raise timeout=", address=addr
+                ) from None
+            raise RemoteError(f"parameter-server shard {addr} refused {op!r}: {code.name}: "
+                              f"{exc.details()}", code=code.name, address=addr) from None
+        self._account(0, len(data), 0.0)
+        try:
+            return wire.decode(data, self.limits)
+        except wire.WireError as exc:
+            raise RemoteError(f"parameter-server shard {addr} sent a malformed reply to {op!r}: "
+                              f"{exc}", code="DATA_LOSS", address=addr) from None
+
+    def submit(self, requests: Sequence[Request], finish: Callable[[list[Message]], T],
+               *, timeout: float | None = None) -> PSFuture[T]:
+        """Send all ``requests`` at once (concurrently); ``finish`` maps the replies."""
+        t0 = time.perf_counter()
+        deadline = self.timeout if timeout is None else timeout
+        calls = []
+        sent = 0
+        for shard, op, fields, entries in requests:
+            data = wire.encode(op, fields, entries)
+            if len(data) > self.limits.max_message_bytes:
+                raise ValueError(f"{op!r} to shard {self.addresses[shard]} is {len(data)} bytes, "
+                                 f"above max_message_bytes={self.limits.max_message_bytes}; "
+                                 "use more shards or a partitioner to split big tensors")
+            sent += len(data)
+            fut = self._stubs[shard].future(data, timeout=deadline, metadata=self._metadata)
+            calls.append((shard, op, fut, deadline))
+        self._account(sent, 0, 0.0, len(calls))
+        return PSFuture(self, calls, finish, time.perf_counter() - t0)
+
+    def call(self, shard: int, op: str, fields: Mapping[str, Any] | None = None,
+             entries: Sequence[Entry] = (), *, timeout: float | None = None) -> Message:
+        """One call to one shard."""
+        return self.submit([(shard, op, fields, entries)], lambda m: m[0],
+                           timeout=timeout).result()
+
+    # -- whole-cluster operations ---------------------------------------------------------
+
+    def health(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Each shard's health fields (tensor count, bytes, versions, dropped gradients)."""
+        fut = self.submit([(i, "health", None, ()) for i in range(self.num_shards)],
+                          lambda ms: [m.fields for m in ms], timeout=timeout)
+        return fut.result()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until every shard answers ``health`` (shards may start after the workers)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.health(timeout=max(0.1, min(2.0, remaining)))
+                return
+            except ParameterServerUnavailable:
+                if remaining <= 0:
+                    raise
+                time.sleep(min(0.1, max(0.0, remaining)))
+
+    def shutdown(self, shards: Sequence[int] | None = None) -> None:
+        """Ask shards to stop (needs the token when the shards use one)."""
+        idx = range(self.num_shards) if shards is None else shards
+        self.submit([(i, "shutdown", None, ()) for i in idx], lambda ms: None).result()
+
+    def stats(self) -> dict[str, float]:
+        with self._stats_lock:
+            return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                    "comm_seconds": self.comm_seconds, "calls": self.num_calls}
+
+    def stats_delta(self) -> tuple[int, int, float]:
+        """``(bytes_sent, bytes_received, comm_seconds)`` since the previous call: what a
+        strategy folds into its own counters (meant for the client's one owner)."""
+        with self._stats_lock:
+            now = (self.bytes_sent, self.bytes_received, self.comm_seconds)
+            seen, self._stats_seen = self._stats_seen, now
+        return now[0] - seen[0], now[1] - seen[1], now[2] - seen[2]
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
