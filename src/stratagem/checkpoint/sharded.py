@@ -136,7 +136,9 @@ def _offset(t: DTensor) -> int:
 
 
 def shard_index(key: str, per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """The manifest's ``"sharded"`` entry from every replica's index (rank order)."""
+    """The manifest's ``"sharded"`` entry from every replica's index (rank order). Rows held
+    by several replicas (groups of shards repeated across nodes) are indexed once: a node's
+    own optimizer state (Hierarchical with a DiLoCo outer) restores as the first node's."""
     files = [f"{key}.rank{r}.safetensors" for r in range(len(per_rank))]
     tensors: dict[str, dict[str, Any]] = {}
     for r, entries in enumerate(per_rank):
@@ -145,6 +147,16 @@ def shard_index(key: str, per_rank: list[list[dict[str, Any]]]) -> dict[str, Any
                 "path": e["path"], "shape": e["shape"], "dtype": e["dtype"],
                 "rows": [[0, 0]] * len(per_rank)})
             slot["rows"][r] = e["rows"]
+    for slot in tensors.values():
+        # Shards on a mesh smaller than the job (Sharded inside each node of Hierarchical)
+        # repeat across groups: the first complete tiling is kept, the repeats are indexed
+        # as empty (their files are still written; restore reads the kept rows).
+        stop = 0
+        for r, (start, end) in enumerate(slot["rows"]):
+            if start == stop and end > start:
+                stop = end
+            else:
+                slot["rows"][r] = [start, start]
     return {"files": files, "tensors": list(tensors.values())}
 
 

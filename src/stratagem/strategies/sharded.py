@@ -243,6 +243,23 @@ class FSDPSharding(Part):
             for group in inner.param_groups:
                 group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
+    def consensus(self, prepared: Prepared, state: dict[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+        """Whole tensors: each shard all-gathered (a collective), tied names sharing one
+        tensor. What a composed strategy keeps and evaluates; ``Sharded`` itself checkpoints
+        the shards instead (``Sharded._checkpoint_model``)."""
+        seen: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, value in state.items():
+            if isinstance(value, DTensor):
+                key = id(value)
+                if key not in seen:
+                    seen[key] = value.full_tensor()
+                out[name] = seen[key]
+            else:
+                out[name] = value
+        return out
+
     def load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> bool:
         """Full tensors (any checkpoint, any writer's world size): this replica keeps its
         rows of each."""
@@ -470,10 +487,15 @@ class Sharded(Strategy):
         return part
 
     # ------------------------------------------------------------------ state
-    # _grad_norm, _checkpoint_model and _load_model are the base class's, through the part's
-    # hooks: the global norm over the shards; the DTensor shards as FSDP2 holds them (a
-    # sharded checkpoint writes each replica's rows; save(..., consolidate=True) gathers
-    # them); full tensors from any checkpoint, of which each replica keeps its rows.
+    # _grad_norm and _load_model are the base class's, through the part's hooks: the global
+    # norm over the shards; full tensors from any checkpoint, of which each replica keeps
+    # its rows.
+
+    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        """The module's state as FSDP2 holds it, DTensor shards (not the part's gathered
+        consensus): a sharded checkpoint writes each replica's rows, ``save(...,
+        consolidate=True)`` gathers them."""
+        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
 
     def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
         return opt.state_dict()
