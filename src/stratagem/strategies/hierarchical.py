@@ -52,7 +52,7 @@ def _build(spec: Strategy | str, role: str, args: dict[str, Any]) -> Strategy:
                         f"{type(spec).__name__}. Fix: e.g. {role}=sg.Mirrored() or "
                         f"{role}='mirrored'")
     if role not in strategy._hierarchy_roles:
-        allowed = ("OneDevice, Mirrored" if role == "inner"
+        allowed = ("OneDevice, Mirrored, Sharded" if role == "inner"
                    else "DiLoCo, LocalSGD, ElasticAveraging(mode='sync')")
         raise ValueError(f"{type(strategy).__name__} cannot be Hierarchical's {role} strategy; "
                          f"{role} may be: {allowed}. Fix: e.g. Hierarchical(inner=sg.Mirrored(),"
@@ -64,7 +64,8 @@ class Hierarchical(Strategy):
     """``inner`` synchronises the processes of a node every step; ``outer`` synchronises the
     nodes (``sg.Hierarchical(inner=sg.Mirrored(), outer=sg.DiLoCo(period=100))``).
 
-    Arguments: ``inner`` (``OneDevice``, ``Mirrored``, or a name; default "mirrored"),
+    Arguments: ``inner`` (``OneDevice``, ``Mirrored``, ``Sharded``, or a name; default
+    "mirrored"),
     ``outer`` (``DiLoCo``, ``LocalSGD``, ``ElasticAveraging(mode="sync")`` without ``rho`` /
     ``momentum``, or a name; default "diloco"), ``local_world_size``
     (processes per node; default torchrun's ``LOCAL_WORLD_SIZE``, which ``sg.launch(...,
