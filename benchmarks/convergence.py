@@ -566,6 +566,18 @@ def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], ta
 # =========================================================================== main
 
 
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of one training job (target, evaluation, limits), shared with
+    ``benchmarks/hierarchical.py``."""
+    p.add_argument("--target", type=float, default=0.93)
+    p.add_argument("--eval-every", type=int, default=4, help="evaluate every N steps")
+    p.add_argument("--max-epochs", type=int, default=16, help="stop here if never reached")
+    p.add_argument("--no-early-stop", action="store_true",
+                   help="train all --max-epochs even after reaching the target")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="one job's time limit s")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -578,13 +590,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 1 seed, lo + 100mbit, {', '.join(QUICK_STRATEGIES)}")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--target", type=float, default=0.93)
-    p.add_argument("--eval-every", type=int, default=4, help="evaluate every N steps")
-    p.add_argument("--max-epochs", type=int, default=16, help="stop here if never reached")
-    p.add_argument("--no-early-stop", action="store_true",
-                   help="train all --max-epochs even after reaching the target")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
-    p.add_argument("--run-timeout", type=float, default=900.0, help="one job's time limit s")
+    add_job_arguments(p)
     p.add_argument("--out", default=str(RESULTS / "convergence"),
                    help="output path without extension (.json, .md, .png are written)")
     p.add_argument("--from-json", metavar="PATH",

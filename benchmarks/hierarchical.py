@@ -227,13 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma list from {', '.join(STRATEGIES)}")
     p.add_argument("--quick", action="store_true", help="1 seed, 20mbit only")
-    p.add_argument("--target", type=float, default=0.93)
-    p.add_argument("--eval-every", type=int, default=4, help="evaluate every N steps")
-    p.add_argument("--max-epochs", type=int, default=16, help="stop here if never reached")
-    p.add_argument("--no-early-stop", action="store_true",
-                   help="train all --max-epochs even after reaching the target")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
-    p.add_argument("--run-timeout", type=float, default=900.0, help="one job's time limit s")
+    harness.add_job_arguments(p)
     p.add_argument("--out", default=str(RESULTS / "hierarchical"),
                    help="output path without extension (.json and .md are written)")
     args = p.parse_args(argv)

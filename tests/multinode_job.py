@@ -10,7 +10,6 @@ listening in its namespace (the node) while the whole job is up.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import sys
@@ -20,27 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import stratagem as sg
-
-
-def listening_sockets() -> list[tuple[str, int]]:
-    """Every listening TCP socket of this network namespace (``/proc/net/tcp{,6}`` show the
-    reader's namespace): the node's store, gloo and agent listeners, whoever owns them."""
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] != "0A":  # TCP_LISTEN
-                continue
-            addr, port = fields[1].rsplit(":", 1)
-            raw = bytes.fromhex(addr)  # host byte order per 32-bit word
-            host = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            out.append((str(ipaddress.ip_address(host)), int(port, 16)))
-    return out
-
+from stratagem.testing.netns import listening_sockets
 
 ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
        "GLOO_SOCKET_IFNAME", "STRATAGEM_PS_ADDRS")
@@ -78,7 +57,7 @@ def main(out: str, steps: int) -> None:
               "initial": initial,
               "final": {k: v.tolist() for k, v in final.state_dict().items()},
               "loss": float(strategy.reduce("mean", loss.detach())),
-              "listening": listening_sockets(),
+              "listening": sorted(listening_sockets().values()),
               "metrics": {k: v for k, v in strategy.metrics().items()
                           if isinstance(v, (int, float))}}
     rank = os.environ["RANK"]

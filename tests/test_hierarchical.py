@@ -28,18 +28,22 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
+def _steps(strategy: sg.Strategy, model: nn.Module, opt: torch.optim.Optimizer,
+           steps: int) -> None:
+    """``steps`` optimizer steps of the MSE loss on this replica's own batches."""
+    for step in range(steps):
+        x, y = _batch(strategy.replica_id, step)
+        strategy.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
 
 def _train(strategy: sg.Strategy, steps: int, lr: float = 0.1,
            opt_fn=None) -> dict[str, torch.Tensor]:
     model = _model()
     opt = (opt_fn or (lambda ps: torch.optim.SGD(ps, lr=lr)))(model.parameters())
     model, opt = strategy.prepare(model, opt)
-    for step in range(steps):
-        x, y = _batch(strategy.replica_id, step)
-        loss = nn.functional.mse_loss(model(x), y)
-        strategy.backward(loss)
-        opt.step()
-        opt.zero_grad()
+    _steps(strategy, model, opt, steps)
     return {k: v.detach().clone() for k, v in strategy.eval_model(model).state_dict().items()}
 
 
@@ -197,11 +201,7 @@ def test_checkpoints_move_between_hierarchical_and_flat(tmp_path) -> None:
         st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=3, comm=comm)
         model = _model()
         model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        for step in range(5):
-            x, y = _batch(comm.rank, step)
-            st.backward(nn.functional.mse_loss(model(x), y))
-            opt.step()
-            opt.zero_grad()
+        _steps(st, model, opt, 5)
         st.save(first, model=model, optimizer=opt, step=5)
         return {k: v.clone() for k, v in st.eval_model(model).state_dict().items()}
 
@@ -243,11 +243,7 @@ def _launched_job() -> tuple[list[int], list[int], float]:
     st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=2)
     model = _model()
     model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for step in range(4):
-        x, y = _batch(st.replica_id, step)
-        st.backward(nn.functional.mse_loss(model(x), y))
-        opt.step()
-        opt.zero_grad()
+    _steps(st, model, opt, 4)
     groups = st.comm.node_groups()
     # Sub-groups of the default group are known to torch.distributed (FSDP2's DeviceMesh
     # looks them up).

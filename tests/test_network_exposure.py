@@ -10,7 +10,6 @@ found, so an empty reading cannot pass.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from stratagem._rendezvous import (
     loopback_tcp_store,
 )
 from stratagem.launcher import launch, worker_env
+from stratagem.testing.netns import listening_sockets
 
 SRC = str(Path(cli.__file__).resolve().parent.parent)
 
@@ -75,35 +75,10 @@ def _launched_job(tmp: str) -> float:
 
 
 # ----------------------------------------------------------------- reading the sockets
-
-
-def _parse_addr(text: str) -> str:
-    """``/proc/net/tcp{,6}`` hex address (host byte order per 32-bit word) -> IP text."""
-    raw = bytes.fromhex(text)
-    host = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(host))
-
-
-def _listening_inodes() -> dict[int, tuple[str, int]]:
-    out: dict[int, tuple[str, int]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] != "0A":  # TCP_LISTEN
-                continue
-            addr, port = fields[1].rsplit(":", 1)
-            out[int(fields[9])] = (_parse_addr(addr), int(port, 16))
-    return out
-
-
 def _listeners(pids: set[int], ignore: frozenset[int] = frozenset()
                ) -> dict[int, list[tuple[str, int]]]:
     """pid -> [(address, port)] of its listening TCP sockets (but the inodes in ``ignore``)."""
-    table = _listening_inodes()
+    table = listening_sockets()
     out: dict[int, list[tuple[str, int]]] = {}
     for pid in pids:
         try:
@@ -304,7 +279,7 @@ def test_run_uses_the_loopback_torchrun_for_single_node_only() -> None:
 def test_sg_launch_listens_on_loopback_only(tmp_path: Path) -> None:
     pytest.importorskip("stratagem.ps.server")
     me = os.getpid()
-    before = frozenset(_listening_inodes())  # the test process's own, from earlier tests
+    before = frozenset(listening_sockets())  # the test process's own, from earlier tests
     out: list[Any] = []
     errors: list[BaseException] = []
 

@@ -189,17 +189,20 @@ class OuterStep(Part):
 
     def load_extra_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         st = self._state(prepared)
+        outer = dict(zip(st.names, st.prev, strict=True))
+        momentum = _uses_momentum(st.optimizer)
         with torch.no_grad():
-            for n, q in zip(st.names, st.prev, strict=True):
-                for key, saved in state.items():
-                    head, _, name = key.partition("/")
-                    if name != n or (saved.dim() > 0 and saved.shape != q.shape):
-                        continue
-                    if head == _MOMENTUM_KEY:
-                        if _uses_momentum(st.optimizer):
-                            st.optimizer.state[q]["momentum_buffer"] = saved.clone()
-                    elif head.startswith("outer_"):
-                        st.optimizer.state[q][head[len("outer_"):]] = saved.clone()
+            for key, saved in state.items():
+                head, _, name = key.partition("/")
+                q = outer.get(name)
+                if q is None or not head.startswith("outer_") or (
+                        saved.dim() > 0 and saved.shape != q.shape):
+                    continue
+                if head == _MOMENTUM_KEY:
+                    if momentum:
+                        st.optimizer.state[q]["momentum_buffer"] = saved.clone()
+                else:
+                    st.optimizer.state[q][head[len("outer_"):]] = saved.clone()
         load_rank(state, "local", self.comm.rank, self.comm.world_size, st.names, st.params)
 
     def metrics(self) -> dict[str, Any]:

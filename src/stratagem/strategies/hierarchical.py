@@ -130,10 +130,6 @@ class Hierarchical(Strategy):
         self._intra, self._inter = groups.intra, groups.inter
         return [*inner_parts, *self.outer._hierarchy_parts(across)]
 
-    @property
-    def num_nodes(self) -> int:
-        return self.comm.world_size // (self.local_world_size or self.comm.local_world_size)
-
     def _extra_metrics(self) -> dict[str, Any]:
         out = super()._extra_metrics()
         if self._intra is not None and self._inter is not None:

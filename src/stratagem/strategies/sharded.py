@@ -152,29 +152,21 @@ def _chosen_units(root: nn.Module, shard_modules: ShardModules) -> list[nn.Modul
 
 
 def _registered(comm: Comm) -> dist.ProcessGroup:
-    """``comm.group`` if torch.distributed knows it, else a group over the same processes that
-    it does know. ``DeviceMesh.from_group`` looks a group up in torch.distributed's registry;
-    a sub-Comm built from a store (``Comm.split``, the node groups of ``Hierarchical``) is not
-    registered there, so its members build a registered twin with ``dist.new_group(ranks,
-    use_local_synchronization=True)`` (only the members call it). The twin is a second gloo
-    group over the same processes: FSDP2's collectives run on it, not on ``comm.group``."""
+    """``comm.group``, which must be a group torch.distributed knows: ``DeviceMesh.from_group``
+    looks it up in torch.distributed's registry. The job's group and the sub-groups
+    ``Comm.split`` makes of it (the node groups of ``Hierarchical``) are registered; the
+    groups of thread ranks (``stratagem.testing.run_ranks``) are not."""
     group = comm.group
     assert group is not None
     try:
         dist.get_process_group_ranks(group)
-        return group
-    except KeyError:
-        pass
-    if not dist.is_initialized():
+    except (KeyError, RuntimeError, ValueError):
         raise ValueError(
             "FSDP2 needs a process group registered with torch.distributed (DeviceMesh "
-            "looks it up there); this Comm's group is not, and there is no default group to "
-            "derive one from (thread ranks of stratagem.testing.run_ranks). Fix: run Sharded "
-            "in launched processes (sg.launch, stratagem run, torchrun)")
-    ranks = [int(t.item()) for t in comm.all_gather(torch.tensor([dist.get_rank()]))]
-    twin = dist.new_group(ranks, use_local_synchronization=True)
-    assert isinstance(twin, dist.ProcessGroup)
-    return twin
+            "looks it up there); this Comm's group is not (thread ranks of "
+            "stratagem.testing.run_ranks, or a group built by hand). Fix: run Sharded in "
+            "launched processes (sg.launch, stratagem run, torchrun)") from None
+    return group
 
 
 class FSDPSharding(Part):

@@ -36,6 +36,7 @@ created it.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import shutil
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Topology", "NetnsUnavailable", "check_netns", "netns_unavailable_reason",
+           "listening_sockets",
            "unique_prefix"]
 
 _COUNTER = itertools.count()
@@ -53,6 +55,27 @@ _B36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 class NetnsUnavailable(RuntimeError):
     """Network namespaces, veth, bridges or tbf cannot be used on this machine."""
+
+
+def listening_sockets() -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket of the reader's network namespace, by socket inode:
+    ``{inode: (ip, port)}`` from ``/proc/net/tcp{,6}`` (their addresses are hex, host byte
+    order per 32-bit word). Empty where ``/proc`` cannot be read."""
+    out: dict[int, tuple[str, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            addr, port = fields[1].rsplit(":", 1)
+            raw = bytes.fromhex(addr)
+            host = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out[int(fields[9])] = (str(ipaddress.ip_address(host)), int(port, 16))
+    return out
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
