@@ -8,11 +8,17 @@ the defaults) trained with AdamW on 2 and 4 processes (gloo, CPU):
 - **Memory** (one launch per strategy, so peak RSS belongs to one strategy): per-rank bytes
   of parameters + gradients + optimizer state, counted from the tensors this rank holds (the
   local shards under Sharded), after ``--steps`` steps; the process's peak RSS (VmHWM) and its
-  RSS after those steps (VmRSS). The peak includes the full model every worker builds before
-  ``prepare`` shards it.
+  RSS after those steps (VmRSS). Sharded is measured twice: the model built on the CPU (the
+  peak then includes the full model every worker builds before ``prepare`` shards it) and
+  built under ``torch.device("meta")`` (``prepare`` materialises only the shards, with the
+  same values from the same seed). Sharded runs with its default ``release_host_memory=True`` (glibc
+  returns freed blocks of 1 MiB or more to the OS; without it the per-step gathered buffers
+  fragment the heap and resident memory grows to Mirrored's level); Mirrored leaves the
+  allocator alone.
 - **Step time**: ``sg.Sharded`` against raw ``fully_shard`` written by hand (same units: each
-  block, then the root; same AdamW), in the same processes, rounds alternating ABBA; the ratio
-  is the median of the per-round Sharded/raw ratios.
+  block, then the root; same AdamW), in the same processes (so under the same allocator
+  setting), rounds alternating ABBA; the ratio is the median of the per-round Sharded/raw
+  ratios.
 
 Writes ``benchmarks/results/sharded_memory.{json,md}``.
 """
@@ -131,9 +137,14 @@ def memory_worker(cfg: dict[str, Any], kind: str) -> dict[str, Any]:
     import stratagem as sg
 
     torch.set_num_threads(1)
-    strategy = sg.Sharded() if kind == "sharded" else sg.Mirrored()
+    strategy = sg.Mirrored() if kind == "mirrored" else sg.Sharded()
     x, y = _batch(cfg, strategy.replica_id)
-    model = _build(cfg)
+    if kind == "sharded-meta":  # built on the meta device: prepare materialises the shards
+        with torch.device("meta"):
+            model = _build(cfg)
+        torch.manual_seed(0)  # the same values as the eager build (reset_parameters draws)
+    else:
+        model = _build(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = strategy.prepare(model, opt)
     for _ in range(cfg["steps"]):
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for procs in args.procs:
         mem = {kind: launch(memory_worker, nprocs=procs, args=(cfg, kind))
-               for kind in ("mirrored", "sharded")}
+               for kind in ("mirrored", "sharded", "sharded-meta")}
         row: dict[str, Any] = {"procs": procs}
         for kind, results in mem.items():
             row[kind] = {"bytes_max": max(r["total"] for r in results),
@@ -236,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         row["bytes_ratio"] = row["sharded"]["bytes_max"] / row["mirrored"]["bytes_max"]
         row["bytes_ratio_x_n"] = row["bytes_ratio"] * procs
         row["peak_rss_ratio"] = row["sharded"]["peak_rss_max"] / row["mirrored"]["peak_rss_max"]
+        row["peak_rss_ratio_meta"] = (row["sharded-meta"]["peak_rss_max"]
+                                      / row["mirrored"]["peak_rss_max"])
         row["rss_ratio"] = row["sharded"]["rss_max"] / row["mirrored"]["rss_max"]
         row["rss_trimmed_ratio"] = (row["sharded"]["rss_trimmed_max"]
                                     / row["mirrored"]["rss_trimmed_max"])
@@ -261,17 +274,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg['width']}, vocab {cfg['vocab']}, tied head), AdamW, {cfg['batch']} sequences of "
         f"{cfg['seq']} tokens per replica, gloo on CPU ({os.cpu_count()} cores). Bytes are "
         "parameters + gradients + optimizer state held by the rank (local shards), after "
-        f"{cfg['steps']} steps, max over ranks; RSS from /proc (peak = VmHWM, includes the full "
-        "model each worker builds before prepare shards it; after = VmRSS after the steps; trimmed = "
+        f"{cfg['steps']} steps, max over ranks; RSS from /proc (peak = VmHWM; S = Sharded with "
+        "the model built on the CPU, so the peak includes the full model each worker builds "
+        "before prepare shards it; S-meta = built under torch.device('meta'), prepare "
+        "materialises only the shards; after = VmRSS after the steps; trimmed = "
         "VmRSS after glibc's malloc_trim returned freed memory, the process's torch baseline "
         "included). "
         f"Step time: {cfg['rounds']} alternating (ABBA) rounds of {cfg['round_steps']} steps, "
         "ratio = median of per-round Sharded/raw ratios.", "",
         f"Command: `{command.strip()}`", "",
         "| processes | Mirrored MiB/rank | Sharded MiB/rank | ratio | ratio × N (target ≤ 1.1) "
-        "| peak RSS MiB M / S | RSS after MiB M / S | trimmed RSS MiB M / S | Sharded s/step "
-        "| raw FSDP2 s/step | Sharded/raw (median) | per-round range |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS MiB M / S / S-meta | peak RSS ratio S / S-meta | RSS after MiB M / S "
+        "| trimmed RSS MiB M / S | Sharded s/step | raw FSDP2 s/step | Sharded/raw (median) "
+        "| per-round range |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m, s = r["mirrored"], r["sharded"]
@@ -281,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {r['procs']} | {m['bytes_max'] / mib:.0f} | {s['bytes_max'] / mib:.0f} | "
             f"{r['bytes_ratio']:.3f} | {r['bytes_ratio_x_n']:.3f} | {m['peak_rss_max'] / mib:.0f} / "
-            f"{s['peak_rss_max'] / mib:.0f} | {m['rss_max'] / mib:.0f} / {s['rss_max'] / mib:.0f} | "
+            f"{s['peak_rss_max'] / mib:.0f} / {r['sharded-meta']['peak_rss_max'] / mib:.0f} | "
+            f"{r['peak_rss_ratio']:.2f} / {r['peak_rss_ratio_meta']:.2f} | "
+            f"{m['rss_max'] / mib:.0f} / {s['rss_max'] / mib:.0f} | "
             f"{m['rss_trimmed_max'] / mib:.0f} / {s['rss_trimmed_max'] / mib:.0f} | {timing} |")
     (RESULTS / "sharded_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -222,6 +222,70 @@ def _failed_save(strategy: sg.Strategy, model: nn.Module, path: str) -> dict[str
             "step": checkpoint.read_extras(path)["step"]}
 
 
+class AttentionLM(TiedLM):
+    """TiedLM plus a ``MultiheadAttention``, whose ``_reset_parameters`` re-initialises a
+    tensor of its child ``out_proj`` (the parent's reset must win)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))  # type: ignore[no-any-return]
+
+
+class MaskedLM(TiedLM):
+    """A buffer computed in the constructor: lost when built on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)))
+
+
+def _meta_scenario() -> dict[str, Any]:
+    """Models built under ``torch.device("meta")``: Sharded materialises only the shards,
+    with the values eager construction gives from the same seed (ties and a parent's reset
+    of its child's tensor included); what it cannot rebuild is refused by name, and a
+    strategy that cannot materialise refuses a meta model."""
+    def trained(meta: bool) -> dict[str, torch.Tensor]:
+        strategy = sg.Sharded(timeout=30)
+        torch.manual_seed(3)
+        with torch.device("meta" if meta else "cpu"):
+            model = AttentionLM()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+        torch.manual_seed(3)  # the materialisation draws what the constructor drew
+        model, opt = strategy.prepare(model, opt)
+        local = {n: str(p.to_local().device) for n, p in strategy.unwrap(model).named_parameters()}
+        assert set(local.values()) == {"cpu"}, local
+        _lm_steps(strategy, model, opt, _lm_batches(3, seed=4))
+        ev = strategy.eval_model(model)
+        assert ev.head.weight is ev.embed.weight
+        out = {k: v.detach().clone() for k, v in ev.state_dict().items()}
+        strategy.close()
+        return out
+
+    result: dict[str, Any] = {"meta": trained(True), "eager": trained(False)}
+    strategy = sg.Sharded(timeout=30)
+    with torch.device("meta"):
+        masked = MaskedLM()
+    try:
+        strategy.prepare(masked)
+    except ValueError as exc:
+        result["masked_error"] = str(exc)
+    strategy.close()
+    with torch.device("meta"):
+        masked = MaskedLM()
+    try:
+        sg.Mirrored(timeout=30).prepare(masked)
+    except ValueError as exc:
+        result["mirrored_error"] = str(exc)
+    return result
+
+
 def _restore_job(root: str, sources: list[str], save_mirrored: bool,
                  scenarios: list[tuple[str, int, float | None]]) -> tuple[list[Any], list[Any]]:
     """Restore each source into Sharded (and, with save_mirrored, into Mirrored, saving it
@@ -240,6 +304,7 @@ def _restore_job(root: str, sources: list[str], save_mirrored: bool,
         pairs.append(history)
         pairs.append(_failed_save(strategy, model, f"{root}/fit"))
         strategy.close()
+        pairs.append(_meta_scenario())
     out = []
     kinds = [("sharded", s) for s in sources] + ([("mirrored", sources[0])] if save_mirrored else [])
     for kind, source in kinds:
@@ -381,3 +446,13 @@ def test_sharded_checkpoint_restores_on_2_and_3_ranks_and_through_mirrored(runs)
         _assert_close(r["restored"], saved, atol=0, rtol=0)
         # Same steps after the restore as after the save: the optimizer state came back too.
         _assert_close(r["continued"], continued, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_built_on_the_meta_device_gets_only_its_shards_with_eager_values(runs):
+    # 3 ranks: uneven rows. Same values as the eager model from the same seed, through 3
+    # AdamW steps (exactly: the same reset_parameters draws, children first).
+    for rank_result in runs["third"]:
+        meta = rank_result[1][2]
+        _assert_close(meta["meta"], meta["eager"], atol=0, rtol=0)
+        assert "mask" in meta["masked_error"] and "reset_parameters" in meta["masked_error"]
+        assert "meta device" in meta["mirrored_error"] and "sg.Sharded()" in meta["mirrored_error"]

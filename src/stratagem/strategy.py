@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -226,6 +227,9 @@ class Strategy:
     #: model after each step (so one copy per node needs to cross nodes); False for sharded
     #: models (each process holds its shard, synchronised with its peers on other nodes).
     _replicates_model = True
+    #: True when ``prepare`` accepts a model built on the meta device and materialises it
+    #: (``Sharded``: only each worker's shards).
+    _materializes_meta = False
 
     def __init__(
         self,
@@ -404,8 +408,17 @@ class Strategy:
         # parameter names for checks, placement and checkpoints); the forward path keeps the
         # compiled wrapper.
         module = _uncompiled(model)
-        module.to(self.device)
-        self._initial_sync(module)
+        if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+            if not self._materializes_meta:
+                raise ValueError(
+                    f"the {type(module).__name__} given to prepare has tensors on the meta "
+                    f"device (built under torch.device('meta')); {type(self).__name__} needs "
+                    "the real values on every worker. Fix: build the model on the CPU, or use "
+                    "sg.Sharded(), which materialises only each worker's shards")
+            self._check_replicas(module)  # the values are made after sharding (Sharded)
+        else:
+            module.to(self.device)
+            self._initial_sync(module)
         wrapped = self._wrap_model(model)
         if self.precision.dtype is not None:
             # On the user's module (inside DDP / the compiled wrapper), so that every path to

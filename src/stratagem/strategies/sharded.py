@@ -47,7 +47,8 @@ from ..parts import Part
 from ..precision import Precision
 from ..strategy import Prepared, Strategy
 
-__all__ = ["Sharded", "FSDPSharding", "ShardModules", "row_range", "release_host_memory"]
+__all__ = ["Sharded", "FSDPSharding", "ShardModules", "row_range", "release_host_memory",
+           "materialize_shards"]
 
 #: Which submodules become FSDP units: classes (every instance below the root), or a
 #: predicate ``module -> bool``. ``None``: the default rule of :func:`default_units`.
@@ -236,9 +237,13 @@ class FSDPSharding(Part):
             raise ValueError(f"the {type(module).__name__} given to prepare is already sharded "
                              "by fully_shard. Fix: pass the plain module; Sharded applies "
                              "fully_shard itself")
+        deferred = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         template = _meta_template(module)
         before = dict(module.named_parameters(remove_duplicate=False))
         units = self.shard(module)
+        if deferred:
+            materialize_shards(module, template, self.device, self.comm.world_size,
+                               self.comm.rank)
         after = dict(module.named_parameters(remove_duplicate=False))
         # fully_shard replaces every parameter by a new DTensor parameter; the optimizers
         # the user built before prepare are re-pointed at them in setup.
@@ -408,13 +413,7 @@ class FSDPSharding(Part):
     def load_full(self, target: torch.Tensor, full: torch.Tensor) -> None:
         """Copy this replica's rows of ``full`` into ``target`` (a shard or a plain tensor)."""
         with torch.no_grad():
-            if isinstance(target, DTensor):
-                local = target.to_local()
-                start, stop = row_range(full.shape[0], self.comm.world_size, self.comm.rank)
-                assert local.shape[0] == stop - start, (local.shape, start, stop)
-                local.copy_(full[start:stop])
-            else:
-                target.copy_(full)
+            _copy_rows(target, full, self.comm.world_size, self.comm.rank)
 
     def like(self, reference: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """``full`` sharded like ``reference`` (a DTensor): this replica's rows as a DTensor
@@ -464,6 +463,7 @@ class Sharded(Strategy):
     _synchronous_step = True
     _hierarchy_roles = ("inner",)
     _replicates_model = False
+    _materializes_meta = True
 
     def __init__(self, *, reshard_after_forward: bool = True, shard_modules: ShardModules = None,
                  cpu_offload: bool = False, reduce_precision: str | None = None,
@@ -569,6 +569,86 @@ class _LocalPrecision(Precision):
     def unscale_and_check(self, grads: Iterable[torch.Tensor]) -> bool:
         return super().unscale_and_check(
             [g.to_local() if isinstance(g, DTensor) else g for g in grads])
+
+
+def materialize_shards(module: nn.Module, template: nn.Module, device: torch.device,
+                       world_size: int, rank: int) -> None:
+    """Give ``module``, built on the meta device and sharded, real values: storage for this
+    replica's shards only (``to_empty``), then values from the modules' own
+    ``reset_parameters()`` (``_reset_parameters()`` for ``nn.MultiheadAttention``).
+
+    Each module that defines ``reset_parameters`` and holds tensors is rebuilt full size on the
+    CPU from ``template`` (its subtree only: one layer at a time, never the whole model unless
+    the root itself defines it), reset, and this replica keeps its rows. Modules are reset
+    children first, in registration order (the order a constructor builds them), so a parent
+    that re-initialises a child's tensor (``nn.MultiheadAttention``) has the last word. Every
+    replica computes the same full values from the same RNG state, so the rows fit together
+    whatever the number of workers. Custom initialisation done in a constructor is not
+    replayed (it ran on meta tensors): tensors no ``reset_parameters`` sets are refused by
+    name. Raises ``ValueError``."""
+    module.to_empty(device=device)
+    targets = {**dict(module.named_parameters(remove_duplicate=False)),
+               **dict(module.named_buffers(remove_duplicate=False))}
+    done: dict[int, str] = {}  # tensor -> the name it was set under
+    twins = dict(template.named_modules())
+    for name, sub in _post_order(module):
+        twin_template = twins[name]
+        reset = _reset_method(sub)
+        own = [*twin_template.named_parameters(), *twin_template.named_buffers()]
+        if reset is None or not own:
+            continue
+        twin = _materialize(copy.deepcopy(twin_template), torch.device("cpu"))
+        values = {**dict(twin.named_parameters(remove_duplicate=False)),
+                  **dict(twin.named_buffers(remove_duplicate=False))}
+        with torch.no_grad():
+            for t in values.values():
+                if t.is_floating_point():
+                    t.fill_(math.nan)  # what reset_parameters leaves as it is stays NaN
+            getattr(twin, reset)()
+            for key, full in values.items():
+                if full.is_floating_point() and bool(torch.isnan(full).any()):
+                    continue  # not set by this module: a parent's reset may set it
+                path = f"{name}.{key}" if name else key
+                target = targets[path]
+                if done.setdefault(id(target), path) != path:
+                    # A tied tensor keeps the value of its first user, as when a
+                    # constructor ties an output head to an already built embedding.
+                    continue
+                _copy_rows(target, full, world_size, rank)
+    missing = [n for n, t in targets.items() if id(t) not in done]
+    if missing:
+        raise ValueError(
+            f"prepare built this model on the meta device, but no reset_parameters() sets "
+            f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}: their values were "
+            "computed in a constructor, on meta tensors, and are lost. Fix: give those "
+            "modules a reset_parameters() that sets them, or build the model on the CPU")
+
+
+def _reset_method(module: nn.Module) -> str | None:
+    """The name of ``module``'s re-initialisation method: ``reset_parameters``, or the
+    private ``_reset_parameters`` of ``nn.MultiheadAttention`` and ``nn.Transformer``."""
+    return next((n for n in ("reset_parameters", "_reset_parameters")
+                 if callable(getattr(type(module), n, None))), None)
+
+
+def _post_order(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` children before their parent, siblings in registration order."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, child in root.named_children():
+        out.extend(_post_order(child, f"{prefix}.{name}" if prefix else name))
+    out.append((prefix, root))
+    return out
+
+
+def _copy_rows(target: torch.Tensor, full: torch.Tensor, world_size: int, rank: int) -> None:
+    """This replica's rows of ``full`` into ``target`` (a dim-0 shard), or all of it."""
+    if isinstance(target, DTensor):
+        local = target.to_local()
+        start, stop = row_range(full.shape[0], world_size, rank)
+        assert local.shape[0] == stop - start, (local.shape, start, stop)
+        local.copy_(full[start:stop])
+    else:
+        target.copy_(full)
 
 
 def _materialize(template: nn.Module, device: torch.device) -> nn.Module:
