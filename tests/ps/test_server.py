@@ -304,3 +304,37 @@ def test_push_fetch_returns_the_values_after_the_push(shards) -> None:
         for k in params:
             assert_close(got.values[k], pulled[k], atol=0, rtol=0)
         assert_close(got.values["w"], params["w"] - 0.5 * grads["w"])
+
+
+def test_concurrent_replies_carry_only_the_callers_tensors(shards) -> None:
+    """Replies are built in freshly allocated buffers by several tensor threads at once: under
+    concurrent push+fetch from many clients, each reply holds exactly the caller's tensors
+    (never another client's bytes, never uninitialised memory)."""
+    _, addrs = shards
+    spec = {"name": "sgd", "lr": 1.0}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            params = {f"c{i}.w": torch.full((257, 33), float(i)),
+                      f"c{i}.b": torch.full((3,), float(-i))}
+            with PSClient(addrs, timeout=10) as client:
+                table = ShardedParameters(client, params, optimizer_spec=spec)
+                table.register()
+                for step in range(1, 16):
+                    grads = {k: torch.full_like(v, -1.0) for k, v in params.items()}
+                    got = table.push_fetch_async(grads, fetch=list(params)).result()
+                    # Only this client pushes to its tensors: each step adds exactly 1.
+                    assert torch.equal(got.values[f"c{i}.w"],
+                                       torch.full((257, 33), float(i + step)))
+                    assert torch.equal(got.values[f"c{i}.b"], torch.full((3,), float(step - i)))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[0]

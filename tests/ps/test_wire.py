@@ -99,3 +99,67 @@ def test_limits_are_enforced() -> None:
 def test_encode_refuses_unknown_dtype() -> None:
     with pytest.raises(TypeError, match="complex64"):
         encode("x", None, [Entry("c", torch.zeros(2, dtype=torch.complex64))])
+
+
+def _reference_encode(op: str, fields: dict[str, object] | None, entries: list[Entry]) -> bytes:
+    """The frame built the plain way (a join of the parts), to compare encode() against."""
+    metas, chunks, pos = [], [], 0
+    for e in entries:
+        t = e.tensor.detach().reshape(-1).contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes()
+        start = (pos + 7) // 8 * 8
+        chunks.append(b"\0" * (start - pos))
+        meta = {"name": e.name, "dtype": str(e.tensor.dtype).removeprefix("torch."),
+                "shape": list(e.tensor.shape), "offset": start, "nbytes": len(raw)}
+        if e.version is not None:
+            meta["version"] = e.version
+        metas.append(meta)
+        chunks.append(raw)
+        pos = start + len(raw)
+    header = json.dumps({"op": op, "fields": fields or {}, "tensors": metas},
+                        separators=(",", ":")).encode()
+    head_end = 12 + len(header)
+    pad = (head_end + 7) // 8 * 8 - head_end
+    return b"".join([struct.pack("<4sHHI", b"SGPS", 1, 0, len(header)), header, b"\0" * pad,
+                     *chunks])
+
+
+def test_encode_defines_every_byte_of_the_frame() -> None:
+    """Every byte of a frame is defined (padding zeroed): a freed buffer of another message
+    (here 0xAB garbage of the same size, which malloc may hand back) never leaks into a new
+    one, and the frame is byte-identical to a plain join of its parts."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    entries = [
+        Entry("odd", torch.tensor([1, 2, 3], dtype=torch.int8)),  # 3 bytes: padding follows
+        Entry("strided", base.t(), 5),  # non-contiguous
+        Entry("bf16", torch.randn(5).to(torch.bfloat16)),
+        Entry("scalar", torch.tensor(2.5, dtype=torch.float64), 7),
+        Entry("empty", torch.empty(0, 3)),
+        Entry("flags", torch.tensor([True, False, True])),
+        Entry("big", torch.randn(70_001)),
+    ]
+    fields = {"results": [[0, "applied", 3]], "n": 1}
+    expected = _reference_encode("op", fields, entries)
+    for _ in range(20):
+        garbage = b"\xab" * len(expected)
+        del garbage
+        got = encode("op", fields, entries)
+        assert got == expected
+    msg = decode(got)
+    for e, d in zip(entries, msg.entries, strict=True):
+        assert d.name == e.name and d.version == e.version
+        assert torch.equal(d.tensor, e.tensor)
+
+
+def test_encode_is_thread_safe() -> None:
+    """Concurrent encodes (the shard's tensor threads, a worker's threads) never mix data."""
+    import concurrent.futures
+
+    def one(i: int) -> bool:
+        t = torch.full((50_000 + i,), float(i))
+        data = encode("op", {"i": i}, [Entry(f"t{i}", t, i)])
+        m = decode(data)
+        return m.fields == {"i": i} and torch.equal(m.entries[0].tensor, t)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(one, range(64)))
