@@ -187,13 +187,19 @@ def worker_main(cfg_path: str) -> int:
     elif sync:
         strategy.eval_model(model)  # a collective for some strategies: join worker 0's
     step, stop = 0, False
+    compute_s = step_s = 0.0  # forward+backward / optimizer.step (the synchronisation)
     for epoch in range(int(cfg["max_epochs"])):
         loader.set_epoch(epoch)
         for x, y in loader:
+            t_a = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
             strategy.backward(loss)
+            t_b = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
+            t_c = time.perf_counter()
+            compute_s += t_b - t_a
+            step_s += t_c - t_b
             step += 1
             if progress is not None:
                 progress.step = step
@@ -223,6 +229,8 @@ def worker_main(cfg_path: str) -> int:
         "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
         "bytes_sent_per_step": metrics["bytes_sent"] / steps,
         "comm_seconds": metrics["comm_seconds"],
+        "compute_ms_per_step": 1000 * compute_s / max(1, step),
+        "sync_ms_per_step": 1000 * step_s / max(1, step),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "num_parameters": sum(p.numel() for p in strategy.unwrap(model).parameters()),
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
@@ -417,6 +425,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     out.update({k: chief[k] for k in ("curve", "final_accuracy", "reached", "steps",
                                        "wall_seconds", "bytes_per_step",
                                        "bytes_sent_per_step", "comm_seconds",
+                                       "compute_ms_per_step", "sync_ms_per_step",
                                        "num_parameters", "metrics")})
     out["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
     out["worker_steps"] = [r["steps"] for r in ranks]
@@ -454,6 +463,11 @@ def summarize(runs: list[dict[str, Any]], strategies: list[str], links: list[str
             row["final_accuracy"] = _median([r["final_accuracy"] for r in ok])
             row["bytes_per_step"] = _median([r["bytes_per_step"] for r in ok])
             row["peak_rss_mb"] = _median([max(r["peak_rss_mb"]) for r in ok])
+            # Worker 0's split of a step (older JSON has no such fields: NaN).
+            for f in ("compute_ms_per_step", "sync_ms_per_step"):
+                row[f] = _median([r.get(f, math.nan) for r in ok])
+            row["staleness_mean"] = _median([r.get("metrics", {}).get("staleness_mean",
+                                                                        math.nan) for r in ok])
             row["per_seed_wall"] = {r["seed"]: (r["reached"]["wall"] if r["reached"] else None)
                                     for r in ok}
             if key == "mirrored":
@@ -491,7 +505,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "target counts as infinite). Ratio = median wall / Mirrored's median wall on the "
         "same link. Final accuracy = at the end of the run (runs stop at the target, else "
         "after the last epoch). Bytes/step = worker 0's bytes sent + "
-        "received per step as counted by the strategy.",
+        "received per step as counted by the strategy. Compute / sync ms/step = worker 0's "
+        "mean forward+backward time / `optimizer.step()` time (the synchronisation: for PS "
+        "the push and the pull, pipelined in buckets, so not separable). Mean staleness = "
+        "`metrics()['staleness_mean']` of worker 0 (PS only: versions applied on the shard "
+        "between the pull a gradient was computed on and its push).",
         "",
         f"Links: `lo` = loopback; `Nmbit` = each worker in its own network namespace, veth to "
         "a bridge, `tc tbf rate N burst 64kb latency 100ms` both ways (no added delay: "
@@ -502,19 +520,23 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` ({meta['total_minutes']:.1f} min)",
         "",
         "| strategy | link | reached | median steps to 93% | median wall s to 93% | "
-        "wall vs Mirrored | final accuracy | bytes/step |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "wall vs Mirrored | final accuracy | bytes/step | compute ms/step | sync ms/step | "
+        "mean staleness |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "missing" in r:
-            lines.append(f"| {r['strategy']} | {r['link']} | n/a | n/a | n/a | n/a | n/a | n/a |")
+            lines.append(f"| {r['strategy']} | {r['link']} |" + " n/a |" * 9)
             continue
         failed = f" ({len(r['errors'])} failed)" if r["errors"] else ""
         lines.append(
             f"| {r['strategy']} | {r['link']} | {r['reached']}/{r['runs']}{failed} | "
             f"{_fmt(r['median_steps'], '.0f')} | {_fmt(r['median_wall'], '.1f')} | "
             f"{_fmt(r['ratio'], '.2f')} | {_fmt(r['final_accuracy'], '.3f')} | "
-            f"{_fmt(r['bytes_per_step'], ',.0f')} |")
+            f"{_fmt(r['bytes_per_step'], ',.0f')} | "
+            f"{_fmt(r.get('compute_ms_per_step', math.nan), '.1f')} | "
+            f"{_fmt(r.get('sync_ms_per_step', math.nan), '.1f')} | "
+            f"{_fmt(r.get('staleness_mean', math.nan), '.2f')} |")
     notes = meta.get("notes", [])
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
@@ -578,6 +600,25 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-timeout", type=float, default=900.0, help="one job's time limit s")
 
 
+def add_variants(table: dict[str, tuple[str, dict[str, Any], bool, bool]],
+                 items: list[str]) -> bool:
+    """Add ``--variant NAME=BASE:JSON`` rows to ``table``; False (after printing why) on a
+    malformed one."""
+    for item in items:
+        try:
+            vname, rest = item.split("=", 1)
+            base, vjson = rest.split(":", 1)
+            extra = json.loads(vjson)
+            if base not in table or not isinstance(extra, dict):
+                raise ValueError(f"base must be one of {list(table)}, arguments a dict")
+        except ValueError as e:
+            print(f"--variant must be NAME=BASE:JSON, got {item!r} ({e})", file=sys.stderr)
+            return False
+        reg, base_args, needs_ps, is_sync = table[base]
+        table[vname.strip()] = (reg, {**base_args, **extra}, needs_ps, is_sync)
+    return True
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -590,6 +631,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 1 seed, lo + 100mbit, {', '.join(QUICK_STRATEGIES)}")
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
+                   help="an extra row: strategy BASE with these arguments, e.g. "
+                        "'ps-overlap=ps-async:{\"overlap\": true}' (repeatable; list NAME "
+                        "in --strategies)")
+    p.add_argument("--netns-prefix", default="sgcv",
+                   help="name prefix of the namespaces (<= 6 chars; distinct per parallel run)")
+    p.add_argument("--subnet", default="10.77.0",
+                   help="first three octets of the bridge's /24 (distinct per parallel run)")
     add_job_arguments(p)
     p.add_argument("--out", default=str(RESULTS / "convergence"),
                    help="output path without extension (.json, .md, .png are written)")
@@ -619,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
     from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
 
+    if not add_variants(STRATEGIES, args.variant):
+        return 2
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -666,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "num_parameters": 269_322,
     }
     runs: list[dict[str, Any]] = []
-    topo = Topology(args.workers, prefix="sgcv") if any(link != "lo" for link in links) else None
+    topo = Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet) if any(link != "lo" for link in links) else None
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ from convergence import (  # noqa: E402 - the shared process and store plumbing
     _Progress,
     _stop_all,
     _store,
+    add_variants,
 )
 
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous)
@@ -312,6 +313,8 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
             env.update(worker_env(rank=r, world_size=W, master_port=store.port,
                                   master_addr=host,
                                   ps_addrs=shards.addresses if shards else (), base={}))
+            if shards is not None:
+                env.update(shards.env())  # the job's shard token file
             env["OMP_NUM_THREADS"] = "1"
             env["PYTHONPATH"] = child_pythonpath(env)
             if r < W:
@@ -533,6 +536,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 1 seed, lo + 20mbit, {', '.join(QUICK_STRATEGIES)}")
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
+                   help="an extra row: strategy BASE with these arguments, e.g. "
+                        "'ps-prefetch=ps-async:{\"prefetch\": true}' (repeatable; list NAME "
+                        "in --strategies)")
+    p.add_argument("--netns-prefix", default="sgcv",
+                   help="name prefix of the namespaces (<= 6 chars; distinct per parallel run)")
+    p.add_argument("--subnet", default="10.77.0",
+                   help="first three octets of the bridge's /24 (distinct per parallel run)")
     p.add_argument("--target", type=float, default=2.8, help="validation loss to reach")
     p.add_argument("--eval-every", type=int, default=8,
                    help="evaluate every N steps (8 divides every period used)")
@@ -573,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
     from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
 
+    if not add_variants(STRATEGIES, args.variant):
+        return 2
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -616,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_parameters": GPT(GPTConfig(**MODEL)).num_parameters(), "base_notes": notes,
     }
     runs: list[dict[str, Any]] = []
-    topo = Topology(args.workers, prefix="sgcv") if shaped and any(link != "lo" for link in links) else None
+    topo = Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet) if shaped and any(link != "lo" for link in links) else None
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

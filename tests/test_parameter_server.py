@@ -108,6 +108,72 @@ def test_async_prefetch_is_one_step_delayed_sgd(shards):
     s.close()
 
 
+def test_async_defaults_do_not_trade_freshness_for_speed(shards):
+    # Issue 11 item 7: async prefetch makes every gradient one fetch staler (measured ~2x
+    # the steps to target); it is opt-in. Sync prefetch changes no result: on by default.
+    assert _ps(shards).prefetch is False
+    assert _ps(shards, mode="sync").prefetch is True
+    assert _ps(shards, prefetch=True).prefetch is True
+
+
+def test_staleness_mean_counts_the_prefetch_delay(shards):
+    # Same run as the delayed-SGD test: pushes of staleness 0, 1, 1 (one in flight).
+    s = _ps(shards, prefetch=True)
+    assert s.metrics()["staleness_mean"] == 0.0  # no push yet
+    with s.scope():
+        w = nn.Linear(1, 1, bias=False)
+        model, opt = s.prepare(w, torch.optim.SGD(w.parameters(), lr=0.5))
+    for _ in range(4):
+        s.backward(0.5 * (model.weight ** 2).sum())
+        opt.step()
+        opt.zero_grad()
+    m = s.metrics()
+    assert m["staleness"] == {0: 1, 1: 2} and m["staleness_mean"] == pytest.approx(2 / 3)
+    s.close()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_async_buckets_equal_one_call_per_shard(optimizer):
+    # bucket_cap_mb cuts the push-fetch into several concurrent calls per shard (the big
+    # tensors split into parts of the bucket size): the same training, more calls.
+    data = make_data()
+    ref, _ = train(sg.OneDevice(), data, steps=6, optimizer=optimizer, lr=0.05)
+    calls = {}
+    for cap in (None, 256 / (1 << 20)):  # 256 B: every part of the 10-16-3 MLP its own call
+        servers, addrs = start_local_shards(2)
+        try:
+            s = _ps(addrs, bucket_cap_mb=cap, small_tensor_bytes=64)
+            got, metrics = train(s, data, steps=6, optimizer=optimizer, lr=0.05)
+            calls[cap] = s._ps.connect().stats()["calls"]
+            s.close()
+        finally:
+            for server in servers:
+                server.stop(0)
+        assert_states_close(got, ref, atol=1e-6, rtol=1e-5)
+        assert metrics["staleness"] == {0: 6}
+    # 6 steps: 2 calls per step (one per shard) vs >= 4 (the 16x10 weight and 16+3+48+3
+    # floats in 256-byte buckets: at least 3 calls per shard on one of them).
+    assert calls[None] >= 12 and calls[256 / (1 << 20)] >= calls[None] + 12
+
+
+def test_staleness_lr_reaches_the_shards_and_survives_an_lr_schedule(shards):
+    # One worker: every push has staleness 0, so lr / max(1, 0) is the plain step; what is
+    # checked is that the switch travels with the spec (and with a scheduler's lr change).
+    data = make_data()
+    ref, _ = train(sg.OneDevice(), data, steps=4, lr=0.05)
+    s = _ps(shards, staleness_lr=True)
+    got, metrics = train(s, data, steps=4, lr=0.05)
+    assert_states_close(got, ref, atol=1e-6, rtol=1e-5)
+    st = s._prepared[0].state["ps"]
+    assert all(spec.get("staleness_lr") is True for spec in st.table._specs.values())
+    opt = next(iter(st.opts.values()))
+    opt.optimizer.param_groups[0]["lr"] = 0.01
+    s._sync_hyperparameters(st, opt)
+    assert all(spec == {**spec, "lr": 0.01, "staleness_lr": True}
+               for spec in st.table._specs.values())
+    s.close()
+
+
 def test_staleness_histogram_and_drop(shards):
     data = make_data()
     slow = _ps(shards, max_staleness=1, fetch_every=1000, prefetch=False)
@@ -189,6 +255,11 @@ def test_unsupported_optimizer_names_the_valid_ones(shards):
     ({"replicas_to_aggregate": 2}, "replicas_to_aggregate applies to mode='sync'"),
     ({"compression": "int8"}, "compression must be None, 'fp16' or 'bf16', got 'int8'"),
     ({"error_feedback": True}, "error_feedback=True needs a lossy compression"),
+    ({"prefetch": 1}, "prefetch must be None, True or False, got 1"),
+    ({"staleness_lr": "yes"}, "staleness_lr must be True or False, got 'yes'"),
+    ({"mode": "sync", "staleness_lr": True}, "staleness_lr=True applies to mode='async'"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be None or a positive number of MB, got 0"),
+    ({"bucket_cap_mb": True}, "bucket_cap_mb must be None or a positive number of MB"),
 ])
 def test_invalid_arguments_name_the_value(shards, kwargs, text):
     with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):

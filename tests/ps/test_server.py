@@ -338,3 +338,74 @@ def test_concurrent_replies_carry_only_the_callers_tensors(shards) -> None:
         t.join(25)
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("cap", [1, 4096, 30_000])
+def test_push_fetch_in_buckets_equals_one_call(shards, cap: int) -> None:
+    # max_request_bytes cuts each shard's push-fetch into concurrent calls of whole parts;
+    # each call fetches what it pushes, and names pushed nowhere ride on a shard's last call.
+    _, addrs = shards
+    params = _params()
+    with PSClient(addrs, timeout=10) as client:
+        table = ShardedParameters(client, params, optimizer_spec={"name": "adam", "lr": 0.1},
+                                  partitioner=FixedShardsPartitioner(4), small_tensor_bytes=64)
+        table.register()
+        calls = client.num_calls
+        for step in range(2):
+            grads = _grads(params, step)
+            del grads["e"]  # fetched, not pushed
+            got = table.push_fetch_async(grads, fetch=["w", "b", "e"],
+                                         max_request_bytes=cap).result()
+            assert got.versions == {"w": step + 1, "b": step + 1, "e": 0}
+            assert all(o.applied for o in got.outcomes.values())
+        # One call per part pushed with cap=1; fewer as the cap grows; at least one per shard.
+        parts = len(table.placement.parts_of("w")) + len(table.placement.parts_of("b"))
+        made = (client.num_calls - calls) // 2
+        assert (made == parts) if cap == 1 else (2 <= made <= parts)
+        pulled = table.pull()
+    with PSClient(addrs, timeout=10) as client:  # the same pushes in one call per shard
+        ref = ShardedParameters(client, {f"r{k}": v for k, v in params.items()},
+                                optimizer_spec={"name": "adam", "lr": 0.1},
+                                partitioner=FixedShardsPartitioner(4), small_tensor_bytes=64)
+        ref.register()
+        for step in range(2):
+            grads = {f"r{k}": v for k, v in _grads(params, step).items() if k != "e"}
+            ref.push_fetch_async(grads, fetch=["rw", "rb", "re"]).result()
+        expect = ref.pull()
+    for k in params:
+        assert_close(pulled[k], expect[f"r{k}"], atol=0, rtol=0)
+    assert_close(got.values["w"], pulled["w"], atol=0, rtol=0)
+
+
+def test_push_fetch_refuses_a_bad_request_size(client: PSClient) -> None:
+    table = ShardedParameters(client, {"w": torch.zeros(4)},
+                              optimizer_spec={"name": "sgd", "lr": 1.0})
+    table.register()
+    for bad in (0, -1, 1.5, "8"):
+        with pytest.raises(ValueError, match=f"max_request_bytes must be None or a positive "
+                                             f"int, got {bad!r}"):
+            table.push_fetch_async({"w": torch.ones(4)}, fetch=["w"], max_request_bytes=bad)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_staleness_aware_lr_divides_by_the_staleness(client: PSClient, name: str) -> None:
+    # Zhang et al. 2016: a gradient of staleness s is applied with lr / max(1, s). Compared
+    # with a local torch optimizer stepped with those learning rates, by hand.
+    spec = {"name": name, "lr": 0.5, "staleness_lr": True}
+    t = ShardedParameters(client, {"w": torch.ones(3)}, optimizer_spec=spec)
+    t.register()
+    p = torch.nn.Parameter(torch.ones(3))
+    local = (torch.optim.SGD if name == "sgd" else torch.optim.Adam)([p], lr=0.5)
+    seen = []
+    for k, base in enumerate([0, 0, 0, 3, 1]):  # staleness 0, 1, 2, 0, 3
+        g = torch.full((3,), float(k + 1))
+        outcome = t.push({"w": g}, base)["w"]
+        seen.append(outcome.staleness)
+        local.param_groups[0]["lr"] = 0.5 / max(1, outcome.staleness)
+        p.grad = g
+        local.step()
+    assert seen == [0, 1, 2, 0, 3]
+    assert_close(t.pull()["w"], p.detach(), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="'staleness_lr' must be true or false, got 1"):
+        ShardedParameters(client, {"v": torch.ones(3)},
+                          optimizer_spec={"name": "sgd", "lr": 0.1, "staleness_lr": 1})

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "optimizer_spec", "validate_spec", "build_optimizer",
+__all__ = ["OPTIMIZERS", "STALENESS_LR", "optimizer_spec", "validate_spec", "build_optimizer",
            "check_spec", "state_layout", "supports_sparse", "jsonable"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -36,6 +36,10 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 _NAMES = {cls: name for name, cls in OPTIMIZERS.items()}
 # Implementation switches that depend on the device, not the maths; the shard chooses its own.
 _IGNORED = frozenset({"foreach", "fused", "capturable", "differentiable"})
+#: Not torch's: a shard-side switch of the update rule (async mode). True: each gradient is
+#: applied with ``lr / max(1, staleness)`` (staleness-aware async SGD, Zhang et al., IJCAI
+#: 2016). Carried in the spec so it travels, is validated and is checkpointed with the rest.
+STALENESS_LR = "staleness_lr"
 
 
 _ALLOWED: dict[type, frozenset[str]] = {}
@@ -88,7 +92,12 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     if cls is None:
         raise ValueError(f"unknown optimizer {spec['name']!r}; valid: {sorted(OPTIMIZERS)}")
     allowed = _allowed(cls)
-    hyper = {k: v for k, v in spec.items() if k != "name" and k not in _IGNORED}
+    flag = spec.get(STALENESS_LR, False)
+    if not isinstance(flag, bool):
+        raise ValueError(f"optimizer spec key {STALENESS_LR!r} must be true or false, got "
+                         f"{flag!r}")
+    hyper = {k: v for k, v in spec.items()
+             if k not in ("name", STALENESS_LR) and k not in _IGNORED}
     unknown = sorted(set(hyper) - allowed)
     if unknown:
         raise ValueError(f"optimizer {spec['name']!r} has no hyperparameter(s) {unknown}; "

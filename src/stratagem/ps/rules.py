@@ -115,19 +115,34 @@ def to_slot_dtype(slot: Slot, g: torch.Tensor) -> torch.Tensor:
     return g.to(slot.value.dtype)  # upcasts fp16/bf16-compressed gradients
 
 
-def apply_gradient(slot: Slot, grad: torch.Tensor) -> None:
-    """Run the slot's optimizer on ``grad`` (caller holds ``slot.lock``)."""
+def apply_gradient(slot: Slot, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
+    """Run the slot's optimizer on ``grad`` with its learning rate times ``lr_scale`` (caller
+    holds ``slot.lock``)."""
     assert slot.optimizer is not None
     if slot.sgd_lr is not None:
         with torch.no_grad():
-            slot.value.add_(grad, alpha=-slot.sgd_lr)  # exactly torch's SGD step
+            slot.value.add_(grad, alpha=-slot.sgd_lr * lr_scale)  # exactly torch's SGD step
         return
-    param = slot.optimizer.param_groups[0]["params"][0]
+    group = slot.optimizer.param_groups[0]
+    param = group["params"][0]
     param.grad = grad
+    lr = group["lr"]
+    if lr_scale != 1.0:
+        group["lr"] = lr * lr_scale
     try:
         slot.optimizer.step()
     finally:
         param.grad = None
+        group["lr"] = lr
+
+
+def staleness_lr_scale(slot: Slot, staleness: int) -> float:
+    """``1 / max(1, staleness)`` when the slot's spec asks for staleness-aware learning rates
+    (Zhang, Gupta, Lian, Liu, "Staleness-aware Async-SGD for Distributed Deep Learning",
+    IJCAI 2016: ``lr / staleness``), else 1."""
+    if slot.spec is None or not slot.spec.get(ps_optim.STALENESS_LR):
+        return 1.0
+    return 1.0 / max(1, staleness)
 
 
 def offer(slot: Slot, base: int | None, max_staleness: int | None,
@@ -148,7 +163,7 @@ def offer(slot: Slot, base: int | None, max_staleness: int | None,
                 slot.dropped += 1
                 status = "dropped"
             else:
-                apply_gradient(slot, grad())
+                apply_gradient(slot, grad(), staleness_lr_scale(slot, staleness))
                 slot.version += 1
                 status = "applied"
         elif staleness != 0:  # sync: only gradients of the current version count

@@ -273,10 +273,19 @@ class ShardedParameters:
     def push_fetch_async(self, grads: Mapping[str, torch.Tensor],
                          base_versions: Mapping[str, int] | int | None = None, *,
                          fetch: Sequence[str] | None, compress: str | None = None,
-                         max_staleness: int | None = None) -> PSFuture[PushFetch]:
+                         max_staleness: int | None = None,
+                         max_request_bytes: int | None = None) -> PSFuture[PushFetch]:
         """Push gradients and fetch ``fetch`` (tensor names) in one round trip per shard:
         each shard applies the push, then answers with the values after it (a Downpour step).
+
+        ``max_request_bytes``: split each shard's push into several concurrent calls of at
+        most that many gradient bytes (whole parts; each call fetches the parts it pushes),
+        so the values of one bucket stream back while the next is still going up.
         """
+        if max_request_bytes is not None and (not isinstance(max_request_bytes, int)
+                                              or max_request_bytes < 1):
+            raise ValueError(f"max_request_bytes must be None or a positive int, got "
+                             f"{max_request_bytes!r}")
         cdtype = KINDS[check_compression(compress, name="compress")]
         names = list(grads)
         fetch_names = [] if fetch is None else list(fetch)
@@ -286,22 +295,28 @@ class ShardedParameters:
         reqs: list[Request] = []
         order: list[list[Part]] = []
         for shard in sorted(set(by_shard) | set(fetch_by_shard)):
-            parts = by_shard.get(shard, [])
-            entries = []
-            for p in parts:
-                g = grads[p.name]
-                if tuple(g.shape) != self._shapes[p.name]:
-                    raise ValueError(f"gradient for {p.name!r} has shape {tuple(g.shape)}, the "
-                                     f"parameter has {self._shapes[p.name]}")
-                g = _rows(g, p)
-                if cdtype is not None and g.is_floating_point():
-                    g = g.to(cdtype)
-                entries.append(Entry(p.key, g, self._base(p, base_versions)))
-            fields: dict[str, Any] = {"max_staleness": ms}
-            if fetch is not None:
-                fields["fetch"] = [p.key for p in fetch_by_shard.get(shard, [])]
-            reqs.append((shard, "push", fields, entries))
-            order.append(parts)
+            buckets = _buckets(by_shard.get(shard, []), max_request_bytes)
+            fetch_keys: list[list[str]] = [[] for _ in buckets]
+            where = {p.key: i for i, b in enumerate(buckets) for p in b}
+            for p in fetch_by_shard.get(shard, []):
+                fetch_keys[where.get(p.key, len(buckets) - 1)].append(p.key)
+            for parts, keys in zip(buckets, fetch_keys, strict=True):
+                entries = []
+                for p in parts:
+                    g = grads[p.name]
+                    if tuple(g.shape) != self._shapes[p.name]:
+                        raise ValueError(f"gradient for {p.name!r} has shape "
+                                         f"{tuple(g.shape)}, the parameter has "
+                                         f"{self._shapes[p.name]}")
+                    g = _rows(g, p)
+                    if cdtype is not None and g.is_floating_point():
+                        g = g.to(cdtype)
+                    entries.append(Entry(p.key, g, self._base(p, base_versions)))
+                fields: dict[str, Any] = {"max_staleness": ms}
+                if fetch is not None:
+                    fields["fetch"] = keys
+                reqs.append((shard, "push", fields, entries))
+                order.append(parts)
 
         def finish(msgs: list[Message]) -> PushFetch:
             per_part: dict[str, list[PushOutcome]] = {}
@@ -582,6 +597,23 @@ class ShardedParameters:
             for n, parts in self._parts.items():
                 for p in parts:
                     self._versions[p.key] = int(versions.get(n, 0))
+
+
+def _buckets(parts: list[Part], max_bytes: int | None) -> list[list[Part]]:
+    """``parts`` in order, cut into runs of at most ``max_bytes`` (a bigger part alone);
+    always at least one (possibly empty) run."""
+    if max_bytes is None or len(parts) <= 1:
+        return [parts]
+    out: list[list[Part]] = [[]]
+    size = 0
+    for p in parts:
+        n = p.nbytes
+        if out[-1] and size + n > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += n
+    return out
 
 
 def _combine(outcomes: Sequence[PushOutcome]) -> PushOutcome:

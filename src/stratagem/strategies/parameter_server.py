@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 __all__ = ["ParameterServer"]
 
 _MODES = ("async", "sync")
+#: At most this many push-fetch calls per step (bucket_cap_mb is raised for big models): each
+#: is an HTTP/2 stream, and shards cap the streams of one connection.
+_MAX_BUCKETS = 16
 
 
 @dataclass
@@ -84,6 +87,7 @@ class _PSState:
         self.pending: concurrent.futures.Future[_Job] | None = None
         self.hooks: list[Any] = []
         self.rows_pulled: set[str] = set()  # sparse keys pulled since the last push
+        self.bucket_bytes: int | None = None  # async push-fetch: bytes per call
 
 
 class ParameterServer(Strategy):
@@ -105,7 +109,16 @@ class ParameterServer(Strategy):
       the bytes); ``error_feedback=True`` keeps what the cast lost and adds it to the next push
       (:mod:`stratagem.compression`). An fp16 overflow is never pushed: that push is skipped and
       counted in ``nonfinite_pushes_skipped``.
-    - ``prefetch`` (bool): overlap the fetch with the next step's compute (see below).
+    - ``prefetch`` (None, True, False; default None = ``False`` in async mode, ``True`` in
+      sync mode): overlap the fetch with the next step's compute (see below).
+    - ``bucket_cap_mb`` (async, default 0.125; None: one call per shard): the push-fetch of a
+      step is cut into concurrent calls of about that many MB (big tensors are split into
+      parts of that size on the shards unless a ``partitioner`` is given), so the new values
+      of one bucket stream down while the next bucket's gradient streams up (full duplex).
+      Raised so a step makes at most 16 calls. Results are unchanged (tested equal).
+    - ``staleness_lr`` (async, bool, default False): the shards apply a gradient of
+      staleness ``s`` with ``lr / max(1, s)`` (Zhang et al., "Staleness-aware Async-SGD for
+      Distributed Deep Learning", IJCAI 2016).
     - ``ps_addresses``: ``"host:port,host:port"`` or a list; default ``STRATAGEM_PS_ADDRS``
       (set by ``stratagem run --num-ps K`` and ``sg.launch(..., num_ps=K)``).
     - Common arguments (``precision``, ``accumulation_steps``, ``timeout``...) as every strategy.
@@ -125,20 +138,29 @@ class ParameterServer(Strategy):
     process group, so its workers must share one; in async mode each worker decides alone and
     a non-finite gradient is never pushed.
 
-    Prefetch (the default). Async: right after the push, the next parameters are pulled in the
-    background while the next forward/backward computes, and installed at the next optimizer
-    step; the next forward therefore uses the parameters installed at the *previous* step, all
-    of them from one fetch (never a mix), i.e. every gradient is one fetch older (delayed SGD,
-    as tf_cnn_benchmarks' staged variables). The gradient's base version is recorded at
-    install, so ``staleness`` and ``max_staleness`` count honestly. Sync: the wait for the new
+    Staleness: ``metrics()["staleness"]`` is the histogram over this worker's pushes of the
+    versions applied on the shard between the values a gradient was computed on and its push
+    (0 = fresh), ``metrics()["staleness_mean"]`` its mean. With N async workers it is about
+    N - 1 without prefetch.
+
+    Prefetch (async: opt-in; sync: the default). Async: right after the push, the next
+    parameters are pulled in the background while the next forward/backward computes, and
+    installed at the next optimizer step; the next forward therefore uses the parameters
+    installed at the *previous* step, all of them from one fetch (never a mix), i.e. every
+    gradient is one fetch older (delayed SGD, as tf_cnn_benchmarks' staged variables). The
+    gradient's base version is recorded at install, so ``staleness`` and ``max_staleness``
+    count honestly. It is off by default because it trades quality for speed: with 4 workers
+    on MNIST-5k the mean staleness went from ~3.5 to ~7 and the steps to 93% from ~110 to
+    ~300, for no shorter step (``benchmarks/results/convergence_ps.md``). Sync: the wait for the new
     version runs in the background and is installed before the next forward (a forward
     pre-hook) — the forward always uses the new version, so results equal ``prefetch=False``;
     the user's code between ``optimizer.step()`` and the next forward overlaps the wait, and
     reading the parameters there shows the previous version (and a ``PeerTimeoutError`` of
     that wait surfaces in the next forward). ``model.state_dict()``, ``eval_model``,
     ``global_version``, ``save`` and ``restore`` install what is in flight first. In async
-    mode the fetch rides on the push: one round trip per shard, which applies the gradient and
-    answers with the values after it.
+    mode the fetch rides on the push: one round trip per bucket (``bucket_cap_mb``), in which
+    the shard applies that bucket's gradient and answers with its values after it, so every
+    value installed includes this worker's own last push.
 
     Backup workers (sync, ``replicas_to_aggregate`` < workers): stop on ``global_version``
     (the global step), not on a local step count — a worker whose gradient is the only one of
@@ -168,7 +190,8 @@ class ParameterServer(Strategy):
                  max_staleness: int | None = None, replicas_to_aggregate: int | None = None,
                  partitioner: Partitioner | None = None, small_tensor_bytes: int = 65536,
                  compression: str | None = None, error_feedback: bool = False,
-                 prefetch: bool = True, ps_addresses: str | Sequence[str] | None = None,
+                 prefetch: bool | None = None, staleness_lr: bool = False, bucket_cap_mb: float | None = 0.125,
+                 ps_addresses: str | Sequence[str] | None = None,
                  **common: Any) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}. Fix: pass "
@@ -201,8 +224,23 @@ class ParameterServer(Strategy):
             raise ValueError("error_feedback=True needs a lossy compression, got "
                              "compression=None. Fix: pass compression='fp16' or 'bf16', or drop "
                              "error_feedback")
-        if not isinstance(prefetch, bool):
-            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        if prefetch is not None and not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be None, True or False, got {prefetch!r}")
+        if prefetch is None:
+            # Measured (docs/guide.md, "Prefetch"): async prefetch makes every gradient one
+            # fetch staler, which cost ~2x the steps; sync prefetch changes no result.
+            prefetch = mode == "sync"
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(
+                bucket_cap_mb, (int, float)) or not 0 < bucket_cap_mb < 1 << 20):
+            raise ValueError(f"bucket_cap_mb must be None or a positive number of MB, got "
+                             f"{bucket_cap_mb!r}. Fix: pass e.g. bucket_cap_mb=0.125, or None "
+                             "for one call per shard")
+        if not isinstance(staleness_lr, bool):
+            raise ValueError(f"staleness_lr must be True or False, got {staleness_lr!r}")
+        if staleness_lr and mode == "sync":
+            raise ValueError("staleness_lr=True applies to mode='async' (sync mode applies "
+                             "only fresh gradients), got it with mode='sync'. Fix: drop "
+                             "staleness_lr")
         self.ps_addresses = shard_addresses(ps_addresses, who="ParameterServer")
         super().__init__(**common)
         self.mode = mode
@@ -215,6 +253,8 @@ class ParameterServer(Strategy):
         self.small_tensor_bytes = small_tensor_bytes
         self.compression = compression
         self.prefetch = prefetch
+        self.bucket_cap_mb = bucket_cap_mb
+        self.staleness_lr = staleness_lr
         self._feedback = ErrorFeedback(compression, deferred=True) \
             if error_feedback and compression is not None else None
         # Sync: every worker must push for every version, so a skip is agreed by all.
@@ -247,7 +287,7 @@ class ParameterServer(Strategy):
             group_keys: list[list[str]] = []
             sent: list[dict[str, Any]] = []
             for gi, group in enumerate(opt.param_groups):
-                spec = ps_optim.optimizer_spec(opt.optimizer, gi)  # TypeError if unsupported
+                spec = self._spec(opt.optimizer, gi)  # TypeError if unsupported
                 gk: list[str] = []
                 for p in group["params"]:
                     if id(p) not in names:
@@ -272,12 +312,20 @@ class ParameterServer(Strategy):
         sparse = {prefix + n + ".weight" for n, m in prepared.module.named_modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
                   and prefix + n + ".weight" in by_key}
+        partitioner = self.partitioner
+        bucket = self._bucket_bytes(by_key, sparse)
+        if bucket is not None and partitioner is None:
+            # Buckets are whole parts: cut the big tensors to the bucket size.
+            from ..ps.placement import MaxSizePartitioner
+
+            partitioner = MaxSizePartitioner(bucket, max_shards=_MAX_BUCKETS)
         table = self._ps.table(
             {k: p.detach() for k, p in by_key.items()}, mode=self.mode,
             optimizer_specs=specs, replicas_to_aggregate=self.replicas_to_aggregate,
-            max_staleness=self.max_staleness, partitioner=self.partitioner,
+            max_staleness=self.max_staleness, partitioner=partitioner,
             small_tensor_bytes=self.small_tensor_bytes)
         st = _PSState(table, by_key, sparse)
+        st.bucket_bytes = bucket
         st.opts = opt_states
         prepared.state["ps"] = st
         if by_key:
@@ -304,6 +352,16 @@ class ParameterServer(Strategy):
             # before (the fetch in flight is installed first).
             st.hooks.append(prepared.module.register_state_dict_pre_hook(
                 lambda module, prefix, keep_vars: self._install(st)))
+
+    def _bucket_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
+        """Async: the bytes per push-fetch call (``bucket_cap_mb``, raised so a step makes at
+        most ``_MAX_BUCKETS`` calls); None for one call per shard."""
+        if self.mode != "async" or self.bucket_cap_mb is None:
+            return None
+        total = sum(p.numel() * p.element_size() for k, p in by_key.items()
+                    if k not in sparse)
+        cap = max(1, int(self.bucket_cap_mb * (1 << 20)))
+        return max(cap, -(-total // _MAX_BUCKETS))
 
     def _rows_hook(self, st: _PSState, key: str) -> Any:
         """A forward pre-hook pulling the rows this batch looks up (sparse embeddings)."""
@@ -356,7 +414,7 @@ class ParameterServer(Strategy):
             if push:
                 ost.acc, ost.acc_base = {}, {}
         dense = [k for k in ost.keys if k not in st.sparse]
-        # Async: the fetch rides on the push (one round trip per shard, the values right
+        # Async: the fetch rides on the push (one round trip per bucket, the values right
         # after this push); sync fetches with the wait for the next version instead.
         carried = dense if (fetch and self.mode == "async") else None
         push_futs: list[tuple[str | None, PSFuture[Any]]] = []
@@ -398,10 +456,18 @@ class ParameterServer(Strategy):
             out[k] = g.detach()
         return out
 
+    def _spec(self, optimizer: torch.optim.Optimizer, group: int) -> dict[str, Any]:
+        """The spec the shards build ``optimizer``'s param group from (plus the strategy's
+        shard-side switches)."""
+        spec = ps_optim.optimizer_spec(optimizer, group)
+        if self.staleness_lr:
+            spec[ps_optim.STALENESS_LR] = True
+        return spec
+
     def _sync_hyperparameters(self, st: _PSState, ost: _OptState) -> None:
         """Send hyperparameters changed on the worker (an LR scheduler) to the shards."""
         for gi, keys in enumerate(ost.group_keys):
-            spec = ps_optim.optimizer_spec(ost.optimizer, gi)
+            spec = self._spec(ost.optimizer, gi)
             if spec == ost.sent_specs[gi] or not keys:
                 continue
             changed = {k: v for k, v in spec.items()
@@ -430,7 +496,8 @@ class ParameterServer(Strategy):
         futs: list[tuple[str | None, PSFuture[Any]]] = []
         if dense or fetch:
             futs.append((None, st.table.push_fetch_async(
-                dense, {k: bases[k] for k in dense}, fetch=fetch)))
+                dense, {k: bases[k] for k in dense}, fetch=fetch,
+                max_request_bytes=st.bucket_bytes if fetch else None)))
         for k, g in sparse.items():
             g = g.coalesce()
             futs.append((k, st.table.push_sparse_async(
@@ -661,7 +728,7 @@ class ParameterServer(Strategy):
                                      if isinstance(v, torch.Tensor)}
                        for i, p in enumerate(ost.params)}
             for gi, keys in enumerate(ost.group_keys):
-                spec = ps_optim.optimizer_spec(opt.optimizer if isinstance(
+                spec = self._spec(opt.optimizer if isinstance(
                     opt, StrategyOptimizer) else opt, gi)
                 ost.sent_specs[gi] = spec
                 st.table.set_optimizer_specs(dict.fromkeys(keys, spec))
@@ -671,15 +738,19 @@ class ParameterServer(Strategy):
             st.table.set_state(current)
         else:
             for gi in range(len(ost.group_keys)):
-                ost.sent_specs[gi] = ps_optim.optimizer_spec(opt.optimizer if isinstance(
+                ost.sent_specs[gi] = self._spec(opt.optimizer if isinstance(
                     opt, StrategyOptimizer) else opt, gi)
         self.comm.barrier()
         self._refresh(st)
 
     # ------------------------------------------------------------------ misc
     def _extra_metrics(self) -> dict[str, Any]:
+        pushes = sum(self._staleness.values())
         out: dict[str, Any] = {
             "staleness": dict(sorted(self._staleness.items())),
+            # The mean over this worker's pushes: what prefetch/overlap cost in freshness.
+            "staleness_mean": (sum(k * n for k, n in self._staleness.items()) / pushes
+                               if pushes else 0.0),
             "dropped_gradients": self._dropped,
             "pushes": self._pushes,
             "nonfinite_pushes_skipped": self._nonfinite_pushes,
