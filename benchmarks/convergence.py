@@ -619,6 +619,18 @@ def add_variants(table: dict[str, tuple[str, dict[str, Any], bool, bool]],
     return True
 
 
+def add_run_arguments(p: argparse.ArgumentParser, *, example: str) -> None:
+    """Extra rows (``--variant``) and the namespace names of one run, shared with
+    ``benchmarks/lm.py``."""
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
+                   help=f"an extra row: strategy BASE with these arguments, e.g. '{example}' "
+                        "(repeatable; list NAME in --strategies)")
+    p.add_argument("--netns-prefix", default="sgcv",
+                   help="name prefix of the namespaces (<= 6 chars; distinct per parallel run)")
+    p.add_argument("--subnet", default="10.77.0",
+                   help="first three octets of the bridge's /24 (distinct per parallel run)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -631,14 +643,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 1 seed, lo + 100mbit, {', '.join(QUICK_STRATEGIES)}")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
-                   help="an extra row: strategy BASE with these arguments, e.g. "
-                        "'ps-overlap=ps-async:{\"overlap\": true}' (repeatable; list NAME "
-                        "in --strategies)")
-    p.add_argument("--netns-prefix", default="sgcv",
-                   help="name prefix of the namespaces (<= 6 chars; distinct per parallel run)")
-    p.add_argument("--subnet", default="10.77.0",
-                   help="first three octets of the bridge's /24 (distinct per parallel run)")
+    add_run_arguments(p, example='ps-bucket=ps-async:{"bucket_cap_mb": 0.5}')
     add_job_arguments(p)
     p.add_argument("--out", default=str(RESULTS / "convergence"),
                    help="output path without extension (.json, .md, .png are written)")

@@ -59,6 +59,7 @@ from convergence import (  # noqa: E402 - the shared process and store plumbing
     _Progress,
     _stop_all,
     _store,
+    add_run_arguments,
     add_variants,
 )
 
@@ -536,14 +537,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 1 seed, lo + 20mbit, {', '.join(QUICK_STRATEGIES)}")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
-                   help="an extra row: strategy BASE with these arguments, e.g. "
-                        "'ps-prefetch=ps-async:{\"prefetch\": true}' (repeatable; list NAME "
-                        "in --strategies)")
-    p.add_argument("--netns-prefix", default="sgcv",
-                   help="name prefix of the namespaces (<= 6 chars; distinct per parallel run)")
-    p.add_argument("--subnet", default="10.77.0",
-                   help="first three octets of the bridge's /24 (distinct per parallel run)")
+    add_run_arguments(p, example='ps-prefetch=ps-async:{"prefetch": true}')
     p.add_argument("--target", type=float, default=2.8, help="validation loss to reach")
     p.add_argument("--eval-every", type=int, default=8,
                    help="evaluate every N steps (8 divides every period used)")
