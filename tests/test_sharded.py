@@ -456,3 +456,28 @@ def test_a_model_built_on_the_meta_device_gets_only_its_shards_with_eager_values
         _assert_close(meta["meta"], meta["eager"], atol=0, rtol=0)
         assert "mask" in meta["masked_error"] and "reset_parameters" in meta["masked_error"]
         assert "meta device" in meta["mirrored_error"] and "sg.Sharded()" in meta["mirrored_error"]
+
+
+def test_one_process_meta_model_keeps_its_ties_and_eager_values():
+    """One process shards nothing; the meta model is materialised whole, a tied parameter
+    still one tensor (``Module.to_empty`` would split it), with the eager build's values, and
+    the optimizer steps the materialised parameters."""
+    strategy = sg.Sharded()
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        model = AttentionLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    model, opt = strategy.prepare(model, opt)
+    torch.manual_seed(5)
+    eager = AttentionLM()
+    assert model.head.weight is model.embed.weight
+    _assert_close(model.state_dict(), eager.state_dict(), atol=0, rtol=0)
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(p) for p in model.parameters()}
+    before = model.embed.weight.detach().clone()
+    strategy.backward(F.cross_entropy(model(torch.randint(0, 32, (2, 8))).flatten(0, 1),
+                                      torch.randint(0, 32, (16,))))
+    opt.step()
+    assert not torch.equal(model.embed.weight, before)
+    strategy.close()

@@ -586,7 +586,10 @@ def materialize_shards(module: nn.Module, template: nn.Module, device: torch.dev
     whatever the number of workers. Custom initialisation done in a constructor is not
     replayed (it ran on meta tensors): tensors no ``reset_parameters`` sets are refused by
     name. Raises ``ValueError``."""
-    module.to_empty(device=device)
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        module.to_empty(device=device)  # FSDP2 re-creates its shards; ties stay one parameter
+    else:  # one process, nothing sharded: Module.to_empty would give each tie its own tensor
+        _materialize(module, device, keep_requires_grad=True)
     targets = {**dict(module.named_parameters(remove_duplicate=False)),
                **dict(module.named_buffers(remove_duplicate=False))}
     done: dict[int, str] = {}  # tensor -> the name it was set under
@@ -651,15 +654,17 @@ def _copy_rows(target: torch.Tensor, full: torch.Tensor, world_size: int, rank: 
         target.copy_(full)
 
 
-def _materialize(template: nn.Module, device: torch.device) -> nn.Module:
+def _materialize(template: nn.Module, device: torch.device, *,
+                 keep_requires_grad: bool = False) -> nn.Module:
     """``template`` with uninitialised tensors on ``device`` in place of its meta tensors, one
     per original tensor (``Module.to_empty`` would give each user of a tied parameter a
-    tensor of its own)."""
+    tensor of its own); parameters frozen unless ``keep_requires_grad``."""
     made: dict[int, torch.Tensor] = {}
     for module in template.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device),
+                                           requires_grad=keep_requires_grad and p.requires_grad)
             setattr(module, name, made[id(p)])
         for name, b in list(module.named_buffers(recurse=False)):
             if id(b) not in made:
