@@ -63,3 +63,13 @@ def train_briefly(strategy, steps: int = 3):
         opt.step()
         opt.zero_grad()
     return model, opt
+
+
+def mse_steps(strategy, model, opt, steps: int, batch) -> None:
+    """``steps`` optimizer steps of the MSE loss on this replica's own batches
+    (``batch(rank, step) -> (x, y)``)."""
+    for step in range(steps):
+        x, y = batch(strategy.replica_id, step)
+        strategy.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()

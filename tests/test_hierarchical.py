@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import mse_steps
 from torch import nn
 from torch.testing import assert_close
 
@@ -28,22 +29,12 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
-def _steps(strategy: sg.Strategy, model: nn.Module, opt: torch.optim.Optimizer,
-           steps: int) -> None:
-    """``steps`` optimizer steps of the MSE loss on this replica's own batches."""
-    for step in range(steps):
-        x, y = _batch(strategy.replica_id, step)
-        strategy.backward(nn.functional.mse_loss(model(x), y))
-        opt.step()
-        opt.zero_grad()
-
-
 def _train(strategy: sg.Strategy, steps: int, lr: float = 0.1,
            opt_fn=None) -> dict[str, torch.Tensor]:
     model = _model()
     opt = (opt_fn or (lambda ps: torch.optim.SGD(ps, lr=lr)))(model.parameters())
     model, opt = strategy.prepare(model, opt)
-    _steps(strategy, model, opt, steps)
+    mse_steps(strategy, model, opt, steps, _batch)
     return {k: v.detach().clone() for k, v in strategy.eval_model(model).state_dict().items()}
 
 
@@ -201,7 +192,7 @@ def test_checkpoints_move_between_hierarchical_and_flat(tmp_path) -> None:
         st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=3, comm=comm)
         model = _model()
         model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        _steps(st, model, opt, 5)
+        mse_steps(st, model, opt, 5, _batch)
         st.save(first, model=model, optimizer=opt, step=5)
         return {k: v.clone() for k, v in st.eval_model(model).state_dict().items()}
 
@@ -243,7 +234,7 @@ def _launched_job() -> tuple[list[int], list[int], float]:
     st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=2)
     model = _model()
     model, opt = st.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    _steps(st, model, opt, 4)
+    mse_steps(st, model, opt, 4, _batch)
     groups = st.comm.node_groups()
     # Sub-groups of the default group are known to torch.distributed (FSDP2's DeviceMesh
     # looks them up).

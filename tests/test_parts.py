@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers import mse_steps
 from torch import nn
 from torch.testing import assert_close
 
@@ -33,16 +34,6 @@ def _model() -> nn.Module:
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7919 * rank + step)
     return torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
-
-def _steps(strategy: sg.Strategy, model: nn.Module, opt: torch.optim.Optimizer,
-           steps: int) -> None:
-    """``steps`` optimizer steps of the MSE loss on this replica's own batches."""
-    for step in range(steps):
-        x, y = _batch(strategy.replica_id, step)
-        strategy.backward(nn.functional.mse_loss(model(x), y))
-        opt.step()
-        opt.zero_grad()
-
 
 def _local_step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
     x, y = _batch(rank, step)
@@ -90,7 +81,7 @@ def test_diloco_user_nesterov_sgd_equals_hand_written_outer_step(fragments: int)
             outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))
         model = _model()
         model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
-        _steps(strategy, model, opt, steps)
+        mse_steps(strategy, model, opt, steps, _batch)
         return [t.clone() for t in strategy.eval_model(model).parameters()]
 
     got = run_ranks(job, WORLD)
@@ -111,7 +102,7 @@ def test_diloco_default_outer_optimizer_is_nesterov_sgd() -> None:
         strategy = sg.DiLoCo(period=2, outer_lr=0.5, outer_momentum=0.8, comm=comm, **kw)
         model = _model()
         model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
-        _steps(strategy, model, opt, 6)
+        mse_steps(strategy, model, opt, 6, _batch)
         return [t.clone() for t in strategy.eval_model(model).parameters()]
 
     a = run_ranks(job, 2, args=(True,))
@@ -131,7 +122,7 @@ def test_diloco_outer_adam_state_survives_a_checkpoint(tmp_path) -> None:
         strategy = sg.DiLoCo(period=2, comm=comm, outer_optimizer=outer)
         model = _model()
         model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
-        _steps(strategy, model, opt, 4)
+        mse_steps(strategy, model, opt, 4, _batch)
         strategy.save(path, model=model, optimizer=opt)
         st = strategy._find_prepared(model).state["outer_step"]
         before = [st.optimizer.state[q]["exp_avg"].clone() for q in st.prev]

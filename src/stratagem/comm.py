@@ -21,7 +21,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ import torch.distributed.nn.functional  # noqa: F401  isort: skip
 from ._rendezvous import bound_tcp_store
 from .errors import PeerTimeoutError
 
-__all__ = ["Comm", "NodeGroups", "new_group", "release_all", "live_backend_threads"]
+__all__ = ["Comm", "NodeGroups", "new_group", "release_all", "live_backend_threads", "bucketed"]
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -46,6 +46,7 @@ _REDUCE_OPS = {
 }
 
 _HEARTBEAT_SECONDS = 1.0
+T = TypeVar("T")
 #: ``broadcast_coalesced`` packs tensors into buckets of this many bytes (DDP's is 25 MiB).
 BROADCAST_BUCKET_BYTES = 32 << 20
 
@@ -537,7 +538,7 @@ class Comm:
         if self.world_size == 1 or not tensors:
             return
         for group in _by_dtype(tensors):
-            for bucket in _buckets(group, bucket_bytes):
+            for bucket in bucketed(group, bucket_bytes, _nbytes):
                 if len(bucket) == 1 and bucket[0].is_contiguous():
                     self.broadcast(bucket[0], src)
                     continue
@@ -716,25 +717,30 @@ def _destroy_default_group() -> None:
     gc.collect()
 
 
-def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``tensors`` of at most ``limit`` bytes each; a tensor of ``limit``
-    bytes or more is a run of its own."""
-    out: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
+def bucketed(items: Sequence[T], limit: int, nbytes: Callable[[T], int]) -> list[list[T]]:
+    """``items`` cut into buckets of at most ``limit`` bytes (``nbytes(item)``), small items
+    kept in order; an item of ``limit`` bytes or more is a bucket of its own. Used for the
+    broadcast of ``prepare`` and for a parameter server's push-fetch calls."""
+    out: list[list[T]] = []
+    current: list[T] = []
     size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= limit:
-            out.append([t])
+    for item in items:
+        n = nbytes(item)
+        if n >= limit:
+            out.append([item])
             continue
-        if current and size + nbytes > limit:
+        if current and size + n > limit:
             out.append(current)
             current, size = [], 0
-        current.append(t)
-        size += nbytes
+        current.append(item)
+        size += n
     if current:
         out.append(current)
     return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from stratagem.comm import bucketed
 from stratagem.compression import KINDS, check_compression
 from stratagem.errors import PeerTimeoutError
 from stratagem.ps import optim as ps_optim
@@ -600,20 +601,11 @@ class ShardedParameters:
 
 
 def _buckets(parts: list[Part], max_bytes: int | None) -> list[list[Part]]:
-    """``parts`` in order, cut into runs of at most ``max_bytes`` (a bigger part alone);
-    always at least one (possibly empty) run."""
+    """``parts`` cut into calls of at most ``max_bytes`` (a bigger part alone); always at
+    least one (possibly empty) run."""
     if max_bytes is None or len(parts) <= 1:
         return [parts]
-    out: list[list[Part]] = [[]]
-    size = 0
-    for p in parts:
-        n = p.nbytes
-        if out[-1] and size + n > max_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += n
-    return out
+    return bucketed(parts, max_bytes, lambda p: p.nbytes)
 
 
 def _combine(outcomes: Sequence[PushOutcome]) -> PushOutcome:
