@@ -409,3 +409,53 @@ def test_staleness_aware_lr_divides_by_the_staleness(client: PSClient, name: str
     with pytest.raises(ValueError, match="'staleness_lr' must be true or false, got 1"):
         ShardedParameters(client, {"v": torch.ones(3)},
                           optimizer_spec={"name": "sgd", "lr": 0.1, "staleness_lr": 1})
+
+
+def test_small_calls_run_on_the_loop_and_big_ones_on_threads_without_lost_updates() -> None:
+    """Small pushes and pulls are served on the event loop while no tensor thread is busy
+    (no thread hand-off); big ones go to the threads. Mixed concurrently, every update lands
+    exactly once and the values are exact."""
+    servers, addrs = start_local_shards(1)
+    server = servers[0]
+    offloaded: list[str] = []
+    real_offload = server._offload
+
+    async def counting(fn, *args):  # type: ignore[no-untyped-def]
+        offloaded.append(getattr(fn, "__name__", "?"))
+        return await real_offload(fn, *args)
+
+    server._offload = counting  # type: ignore[method-assign]
+    small, big = torch.zeros(1000), torch.zeros(600_000)  # 4 KB and 2.4 MB
+    try:
+        with PSClient(addrs, timeout=20) as client:
+            table = ShardedParameters(client, {"small": small, "big": big},
+                                      optimizer_spec={"name": "sgd", "lr": 1.0})
+            table.register()
+            offloaded.clear()
+            for _ in range(20):  # one caller: nothing busy, so no hand-off at all
+                table.push_fetch_async({"small": torch.ones(1000)}, fetch=["small"]).result()
+            assert offloaded == []
+            table.push_fetch_async({"big": torch.ones(600_000)}, fetch=["big"]).result()
+            assert len(offloaded) == 1
+
+            def pusher(name: str, n: int, steps: int) -> None:
+                t = ShardedParameters(client, {"small": small, "big": big},
+                                      optimizer_spec={"name": "sgd", "lr": 1.0})
+                t.register()
+                for _ in range(steps):
+                    t.push_fetch_async({name: torch.ones(n)}, fetch=[name]).result()
+
+            threads = [threading.Thread(target=pusher, args=a) for a in
+                       [("small", 1000, 100), ("small", 1000, 100), ("big", 600_000, 10),
+                        ("big", 600_000, 10)]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads)
+            values = table.pull()
+            assert table.versions == {"small": 220, "big": 21}
+            assert torch.equal(values["small"], torch.full((1000,), -220.0))
+            assert torch.equal(values["big"], torch.full((600_000,), -21.0))
+    finally:
+        server.stop(0)

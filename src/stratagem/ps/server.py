@@ -59,6 +59,14 @@ T = TypeVar("T")
 # Refusals that suggest a misconfigured or hostile peer (logged as warnings, rate-limited).
 _LOUD = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "INTERNAL"})
 
+#: A ``push``, ``pull`` or ``health`` that touches at most this many tensor bytes (pushed plus
+#: fetched) runs on the event loop itself when no tensor thread is busy: handing it to a
+#: thread and back cost more than the work (~0.35 ms of CPU per call, measured with 64 KiB
+#: buckets), and a bucketed Downpour step makes up to 16 such calls per worker. The bound
+#: keeps the loop's pause per call to about a millisecond.
+_INLINE_BYTES = 1 << 20
+_INLINE_OPS = frozenset({"push", "pull", "health"})
+
 
 def _int(fields: dict[str, Any], key: str, default: int | None = None, *,
          minimum: int | None = 0) -> int | None:
@@ -174,7 +182,8 @@ class ShardServer:
     ``body_timeout`` seconds; connections are recycled after ``max_connection_age`` seconds
     (in-flight calls get a grace period); idle peers are probed with keepalive pings. Tensor
     work (optimizer steps, encoding replies) runs on ``max_workers`` threads with one lock per
-    tensor.
+    tensor; a small push or pull (at most 1 MiB of tensors) runs on the loop itself while no
+    thread is busy, which saves a thread hand-off per call.
 
     Bounded work: every request's reply size is computed before anything is allocated and
     refused (``RESOURCE_EXHAUSTED``) above ``max_message_bytes``; a tensor or row may appear
@@ -247,6 +256,7 @@ class ShardServer:
         self._changed: asyncio.Event | None = None
         self._num_waiters = 0
         self._in_flight = 0  # authenticated calls being served (on the loop thread only)
+        self._busy = 0  # calls handed to the tensor threads and not back (loop thread only)
         self._throttle = _Throttle()
         self._started = time.monotonic()
         self._ops: dict[str, Callable[[Message], bytes]] = {
@@ -404,13 +414,23 @@ class ShardServer:
         if not isinstance(request, bytes):
             return _Abort("INVALID_ARGUMENT", "the call carried no request message")
         assert self._loop is not None and self._executor is not None
-        loop = asyncio.get_running_loop()
         failure: _Abort
         try:
-            # One hop to a tensor thread: decode and run the op there (the loop only moves
-            # bytes); wait_version comes back decoded and waits on the loop.
-            out = await loop.run_in_executor(self._executor, self._run, request)
-            del request
+            if self._busy == 0 and len(request) <= _INLINE_BYTES:
+                # A small call: decode here; run it here too if it is small work (see
+                # _INLINE_BYTES). With no tensor thread busy no tensor lock is held, and none
+                # can be taken until this returns (only the loop hands out work): no waiting.
+                msg = self._decode(request)
+                del request
+                if self._inline_bytes(msg) <= _INLINE_BYTES:
+                    out = self._dispatch(msg)
+                else:
+                    out = await self._offload(self._dispatch, msg)
+            else:
+                # One hop to a tensor thread: decode and run the op there (the loop only moves
+                # bytes); wait_version comes back decoded and waits on the loop.
+                out = await self._offload(self._run, request)
+                del request
             if isinstance(out, Message):
                 return await self._wait_version(out, context)
             return out
@@ -449,11 +469,39 @@ class ShardServer:
                        "each tensor once")
         return msg
 
-    def _run(self, request: bytes) -> bytes | Message:
-        msg = self._decode(request)
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a tensor thread; counts the calls out (see :data:`_INLINE_BYTES`)."""
+        assert self._executor is not None
+        self._busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._busy -= 1
+
+    def _inline_bytes(self, msg: Message) -> int:
+        """The tensor bytes ``msg`` touches, or more than :data:`_INLINE_BYTES` when it may
+        not run on the loop (a malformed field is left for the op to refuse)."""
+        if msg.op not in _INLINE_OPS:
+            return _INLINE_BYTES + 1
+        total = sum(e.tensor.nbytes for e in msg.entries)
+        names = msg.fields.get("fetch" if msg.op == "push" else "names")
+        if msg.op == "pull" and names is None:
+            names = list(self._slots)
+        if isinstance(names, list):
+            for n in names:
+                slot = self._slots.get(n) if isinstance(n, str) else None
+                total += 0 if slot is None else slot.value.nbytes
+                if total > _INLINE_BYTES:
+                    break
+        return total
+
+    def _dispatch(self, msg: Message) -> bytes | Message:
         if msg.op == "wait_version":
             return msg
         return self._ops[msg.op](msg)
+
+    def _run(self, request: bytes) -> bytes | Message:
+        return self._dispatch(self._decode(request))
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -702,11 +750,9 @@ class ShardServer:
         finally:
             self._num_waiters -= 1
         fields = {"reached": reached(), "versions": {s.name: s.version for s in slots}}
-        assert self._executor is not None
         # Values only for ``fetch`` (all by default): a caller that reads sparse rows on demand
         # needs the versions of an embedding, not its megabytes.
-        return await loop.run_in_executor(self._executor, self._snapshot, wanted, "values",
-                                          fields)
+        return await self._offload(self._snapshot, wanted, "values", fields)
 
     def _elastic(self, msg: Message) -> bytes:
         a = _float(msg.fields, "moving_rate")
