@@ -123,6 +123,35 @@ async def _raw_aio_server(port_file: str, blob: bytes, max_bytes: int) -> None:
     await server.stop(0)
 
 
+def minimal_server_main(port_file: str, nbytes: int, max_bytes: int) -> None:
+    """The least a Python gRPC parameter server can do per step, for the "minimal PS" column:
+    view the request as the gradient (no framing, no checks), one SGD step into the shard's
+    parameters, and a copy of them into the reply (gRPC sends only ``bytes``)."""
+    wire.tune_malloc()
+    torch.set_num_threads(1)
+    param = torch.randn(nbytes // 4)
+    lock = threading.Lock()
+
+    def exchange(req: bytes, ctx: Any) -> bytes:
+        grad = torch.frombuffer(req, dtype=torch.float32)
+        with lock:
+            param.add_(grad, alpha=-1e-3)
+            return param.numpy().tobytes()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         options=wire.channel_options(max_bytes))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        RAW_SERVICE, {"Exchange": grpc.unary_unary_rpc_method_handler(exchange)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    Path(port_file).write_text(str(port))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(0.2):
+        pass
+    server.stop(0)
+
+
 def spawn(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     fd, port_file = tempfile.mkstemp()
     os.close(fd)
@@ -222,6 +251,32 @@ def raw_step_factory(addrs: list[str], shard_bytes: list[int], max_bytes: int
     return make
 
 
+def minimal_step_factory(addrs: list[str], params: dict[str, torch.Tensor],
+                         shard_bytes: list[int], max_bytes: int
+                         ) -> Callable[[int], Callable[[], int]]:
+    """The client half of the minimal PS: each shard's gradient bytes copied out of tensors
+    into one ``bytes`` per call (as any tensor sent over Python gRPC must be), one call per
+    shard, the reply viewed as tensors (no copy)."""
+    flat = torch.cat([v.reshape(-1) for v in params.values()]) * 1e-6
+    cuts, start = [], 0
+    for n in shard_bytes:
+        cuts.append(flat[start:start + n // 4])
+        start += n // 4
+
+    def make(_: int) -> Callable[[], int]:
+        chans = [grpc.insecure_channel(a, options=wire.channel_options(max_bytes))
+                 for a in addrs]
+        calls = [c.unary_unary(f"/{RAW_SERVICE}/Exchange") for c in chans]
+
+        def step() -> int:
+            fs = [c.future(g.numpy().tobytes(), timeout=60)
+                  for c, g in zip(calls, cuts, strict=True)]
+            got = [torch.frombuffer(f.result(), dtype=torch.float32) for f in fs]
+            return 2 * sum(t.nbytes for t in got)
+        return step
+    return make
+
+
 def local_copy_mbps(params: dict[str, torch.Tensor], seconds: float) -> float:
     src = list(params.values())
     dst = [torch.empty_like(t) for t in src]
@@ -251,10 +306,14 @@ def main() -> None:
     ap.add_argument("--port-file", help=argparse.SUPPRESS)
     ap.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--aio", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--minimal-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     max_bytes = wire.DEFAULT_MAX_MESSAGE_BYTES
     if args.raw_server:
         raw_server_main(args.port_file, args.nbytes, max_bytes, args.aio)
+        return
+    if args.minimal_server:
+        minimal_server_main(args.port_file, args.nbytes, max_bytes)
         return
     torch.set_num_threads(1)
     load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -270,13 +329,14 @@ def main() -> None:
             procs: list[subprocess.Popen[bytes]] = []
             try:
                 addrs: dict[str, list[str]] = {"ours": [], "raw": [], "raw_aio": [],
-                                               "before": []}
+                                               "minimal": [], "before": []}
                 for n in shard_bytes:
                     for side, cmd, src in (
                             ("ours", ["-m", "stratagem.ps.server"], None),
                             ("raw", [__file__, "--raw-server", "--nbytes", str(n)], None),
                             ("raw_aio", [__file__, "--raw-server", "--aio", "--nbytes", str(n)],
                              None),
+                            ("minimal", [__file__, "--minimal-server", "--nbytes", str(n)], None),
                             ("before", ["-m", "stratagem.ps.server"], args.before_src)):
                         if side == "before" and not args.before_src:
                             continue
@@ -286,7 +346,9 @@ def main() -> None:
                 sides: dict[str, Callable[[int], Callable[[], int]]] = {
                     "ours": ours_step_factory(addrs["ours"], params),
                     "raw": raw_step_factory(addrs["raw"], shard_bytes, max_bytes),
-                    "raw_aio": raw_step_factory(addrs["raw_aio"], shard_bytes, max_bytes)}
+                    "raw_aio": raw_step_factory(addrs["raw_aio"], shard_bytes, max_bytes),
+                    "minimal": minimal_step_factory(addrs["minimal"], params, shard_bytes,
+                                                    max_bytes)}
                 if args.before_src:
                     sides["before"] = ours_step_factory(addrs["before"], params,
                                                         two_calls=args.before_two_calls)
@@ -306,6 +368,9 @@ def main() -> None:
                    "raw_sync_MBps": round(mean["raw"], 1),
                    "raw_aio_MBps": round(mean["raw_aio"], 1),
                    "raw_grpc_MBps": round(raw, 1), "ratio": round(mean["ours"] / raw, 3),
+                   "minimal_MBps": round(mean["minimal"], 1),
+                   "minimal_over_raw": round(mean["minimal"] / raw, 3),
+                   "ours_over_minimal": round(mean["ours"] / mean["minimal"], 3),
                    "local_copy_MBps": round(local, 1),
                    "rounds_MBps": {k: [round(x, 1) for x in v] for k, v in got.items()}}
             if "before" in mean:
@@ -323,25 +388,33 @@ def main() -> None:
         meta["before_step"] = "push+pull" if args.before_two_calls else "push_fetch_async"
     lines = [f"# Parameter-server throughput ({total_mb:.1f} MB of parameters, push+pull per "
              "step)", ""]
+    cols: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("shards", lambda r: str(r["shards"])), ("workers", lambda r: str(r["workers"]))]
     if args.before_src:
-        lines += ["| shards | workers | before MB/s | ours MB/s | raw sync MB/s | raw aio MB/s "
-                  "| before / raw | ours / raw | local copy MB/s |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['shards']} | {r['workers']} | {r['before_MBps']} | {r['ours_MBps']} | "
-                  f"{r['raw_sync_MBps']} | {r['raw_aio_MBps']} | {r['before_ratio']:.2f} | "
-                  f"{r['ratio']:.2f} | {r['local_copy_MBps']} |" for r in rows]
-    else:
-        lines += ["| shards | workers | ours MB/s | raw sync MB/s | raw aio MB/s | ours / raw "
-                  "| local copy MB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['shards']} | {r['workers']} | {r['ours_MBps']} | {r['raw_sync_MBps']} "
-                  f"| {r['raw_aio_MBps']} | {r['ratio']:.2f} | {r['local_copy_MBps']} |"
-                  for r in rows]
+        cols.append(("before MB/s", lambda r: str(r["before_MBps"])))
+    cols += [("ours MB/s", lambda r: str(r["ours_MBps"])),
+             ("raw sync MB/s", lambda r: str(r["raw_sync_MBps"])),
+             ("raw aio MB/s", lambda r: str(r["raw_aio_MBps"])),
+             ("minimal PS MB/s", lambda r: str(r["minimal_MBps"]))]
+    if args.before_src:
+        cols.append(("before / raw", lambda r: f"{r['before_ratio']:.2f}"))
+    cols += [("**ours / raw**", lambda r: f"**{r['ratio']:.2f}**"),
+             ("minimal / raw", lambda r: f"{r['minimal_over_raw']:.2f}"),
+             ("ours / minimal", lambda r: f"{r['ours_over_minimal']:.2f}"),
+             ("local copy MB/s", lambda r: str(r["local_copy_MBps"]))]
+    lines += ["| " + " | ".join(c for c, _ in cols) + " |",
+              "|" + "---:|" * len(cols)]
+    lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in rows]
     lines += ["", f"`{meta['command']}` — {meta['cpus']} CPUs, torch {meta['torch']}, grpcio "
               f"{meta['grpc']}, load average at start {meta['load_at_start']}. MB/s counts gradient "
               "bytes pushed plus parameter bytes pulled. ours / raw divides by the faster raw "
               "server (thread-pool `grpc.server` or `grpc.aio`), each answering one `Exchange` "
               "call per shard per step (gradient bytes in, parameter bytes out), the shape of "
-              "our push+fetch."]
+              "our push+fetch. \"minimal PS\" is the least a Python gRPC parameter server does "
+              "per step: the client copies the gradient tensors into the request `bytes`, the "
+              "shard views them (no framing, header or checks), applies one SGD step and copies "
+              "the parameters into the reply; ours / minimal is what framing, validation, the "
+              "non-finite check and the optimizer's generality cost on top of that."]
     if args.before_src:
         lines += ["", f"\"before\": the shard processes of `{args.before_src}`, driven by this "
                   f"checkout's client with `{meta['before_step']}` per step."]
