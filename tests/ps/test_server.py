@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -459,3 +460,28 @@ def test_small_calls_run_on_the_loop_and_big_ones_on_threads_without_lost_update
             assert torch.equal(values["big"], torch.full((600_000,), -21.0))
     finally:
         server.stop(0)
+
+
+def test_client_reuses_its_call_threads_and_stops_them_on_close(shards) -> None:
+    """Calls run on the client's own long-lived threads (gRPC's future() would start a thread
+    per step): a loop of steps keeps one thread per concurrent call, and close() ends them."""
+    _, addrs = shards
+
+    def call_threads() -> int:
+        return sum(t.name == "stratagem-ps-call" for t in threading.enumerate())
+
+    before = call_threads()
+    client = PSClient(addrs, timeout=10)
+    params = _params()
+    table = ShardedParameters(client, params, optimizer_spec={"name": "sgd", "lr": 0.1})
+    table.register()
+    for i in range(30):
+        table.push_fetch_async(_grads(params, i), fetch=list(params)).result()
+    assert 1 <= call_threads() - before <= 4  # two shards: two calls at a time
+    client.close()
+    deadline = time.monotonic() + 5
+    while call_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert call_threads() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        client.health()
