@@ -156,8 +156,9 @@ def test_exit_code_stops_the_others_without_orphans(tmp_path: Path) -> None:
     assert "rank 1 exited with code 3" in str(info.value)
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert not any(_alive(p) for p in pids), pids
-    # Measured from the exit, not the launch: spawning is slow on a loaded 2-core machine.
-    assert time.time() - float((tmp_path / "exit_at").read_text()) < 10
+    # Measured from the exit, not the launch: spawning is slow on a loaded 2-core machine. The
+    # survivor is stopped at once, not at the launch's 50 s timeout; the bound is the midpoint.
+    assert time.time() - float((tmp_path / "exit_at").read_text()) < 25
 
 
 @pytest.mark.timeout(40)
@@ -165,7 +166,8 @@ def test_timeout_kills_a_hanging_job() -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"timed out after 5 s with ranks \[0\]"):
         launch(_hang, nprocs=1, timeout=5)
-    assert time.monotonic() - t0 < 5 + 5 + 3
+    # The 5 s timeout plus the kill and the spawn; a job left hanging meets the 40 s guard.
+    assert time.monotonic() - t0 < 5 + 15
 
 
 @pytest.mark.timeout(60)
@@ -174,8 +176,9 @@ def test_dead_peer_is_reported_and_survivor_does_not_hang(tmp_path: Path) -> Non
         launch(_dead_peer, nprocs=2, args=(str(tmp_path),), timeout=50)
     assert info.value.rank == 1, str(info.value)
     assert info.value.exitcode == -signal.SIGKILL and "SIGKILL" in str(info.value)
-    # gloo timeout (5 s) + 10 s, counted from the kill
-    assert time.time() - float((tmp_path / "killed_at").read_text()) < 5 + 10
+    # The gloo timeout (5 s) + slack, counted from the kill; a survivor left hanging would be
+    # stopped only at the launch's 50 s timeout. The bound is about the midpoint.
+    assert time.time() - float((tmp_path / "killed_at").read_text()) < 5 + 20
 
 
 @pytest.mark.timeout(40)
