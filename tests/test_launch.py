@@ -39,29 +39,6 @@ def _allreduce(scale: float) -> dict[str, object]:
     return {"rank": rank, "sum": t, "env": {k: os.environ.get(k) for k in CONTRACT}}
 
 
-NODE_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK",
-             "STRATAGEM_NNODES"]
-
-
-def _node_sums() -> dict[str, object]:
-    """All-reduce within this worker's node (a group built from the torchrun variables) and
-    across nodes among peers with the same local rank: the sums prove which ranks share a node."""
-    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
-    rank, lws = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
-    nnodes = dist.get_world_size() // lws
-    # new_group is collective over the whole world: every rank creates every group, in order.
-    nodes = [dist.new_group(list(range(n * lws, (n + 1) * lws))) for n in range(nnodes)]
-    peers = [dist.new_group(list(range(lr, dist.get_world_size(), lws))) for lr in range(lws)]
-    inner = torch.tensor([float(rank)])
-    dist.all_reduce(inner, group=nodes[int(os.environ["GROUP_RANK"])])
-    outer = torch.tensor([float(rank)])
-    dist.all_reduce(outer, group=peers[int(os.environ["LOCAL_RANK"])])
-    dist.destroy_process_group()
-    return {"inner": inner.item(), "outer": outer.item(),
-            "env": {k: os.environ.get(k) for k in NODE_VARS}}
-
-
 def _raise_on_rank1() -> int:
     if os.environ["RANK"] == "1":
         raise ValueError("bad value 42")
@@ -188,20 +165,10 @@ def test_worker_stuck_at_exit_is_killed_and_result_kept(monkeypatch: pytest.Monk
         assert launch(_return_then_hang_at_exit, nprocs=1, timeout=30) == [7]
 
 
-@pytest.mark.timeout(90)
-def test_simulated_nodes_get_torchrun_node_env_and_groups() -> None:
-    """Issue 12: nprocs=4, nnodes=2 is two nodes of two, numbered node by node as torchrun does."""
-    out = launch(_node_sums, nprocs=4, nnodes=2, timeout=80)
-    for rank, r in enumerate(out):
-        node, local = divmod(rank, 2)
-        assert r["env"] == {
-            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "4",
-            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2",
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default",
-            "NODE_RANK": str(node), "STRATAGEM_NNODES": "2"}, rank
-        # Node 0 holds ranks 0+1, node 1 ranks 2+3; local rank l meets l and l+2 across nodes.
-        assert r["inner"] == [1.0, 5.0][node], (rank, r)
-        assert r["outer"] == [2.0, 4.0][local], (rank, r)
+# sg.launch(nprocs=4, nnodes=2) (issue 12: the torchrun node variables, and groups built from
+# them holding the right ranks) is checked by one launch that also trains Hierarchical over
+# those groups: tests/test_hierarchical.py::test_hierarchical_in_launched_processes_on_two_
+# simulated_nodes (a launch of 4 processes costs ~15-20 s here; one does both).
 
 
 def test_worker_env_node_layout_matches_torchrun() -> None:
