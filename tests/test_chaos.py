@@ -63,16 +63,17 @@ def _easgd_worker(kill_rank: int, kill_step: int) -> dict[str, float]:
     return {"attempt": attempt, "steps": step, "center_accuracy": acc}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_killed_async_worker_is_restarted_alone_and_the_run_completes() -> None:
-    t0 = time.monotonic()
+    # The bound on the run is launch's own timeout: a survivor waiting for the dead worker, or
+    # a restart that never comes, ends in WorkerError("timed out ...") after 100 s. A second
+    # wall-clock assertion on top measured process start-up on a loaded machine, not this.
     results = launch(_easgd_worker, nprocs=2, num_ps=1, args=(1, 20), max_restarts=2,
-                        restart="failed", timeout=100)
+                     restart="failed", timeout=100)
     assert [r["attempt"] for r in results] == [0, 1]
     assert all(r["steps"] == STEPS for r in results)
     # Fault-free, this task reaches ~0.9 by then; the restarted worker did not break the center.
     assert min(r["center_accuracy"] for r in results) > 0.8, results
-    assert time.monotonic() - t0 < 100
 
 
 def _exit_on_first_attempt() -> int:
@@ -97,8 +98,10 @@ def test_killed_shard_raises_and_a_restarted_shard_resumes_from_the_checkpoint(t
     server = ShardServer("127.0.0.1", 0)
     server.start()
     port = server.port if server.port else int(server.address.rsplit(":", 1)[1])
+    # A stopped shard refuses the connection at once (ms), not at the deadline: a 10 s
+    # deadline keeps the two far apart on a loaded machine; the bound below is the midpoint.
     s = sg.ElasticAveraging(mode="async", period=1, moving_rate=0.5, comm=sg.Comm.single(),
-                            ps_addresses=[server.address], timeout=3)
+                            ps_addresses=[server.address], timeout=10)
     try:
         with s.scope():
             model = make_model()
@@ -122,7 +125,7 @@ def test_killed_shard_raises_and_a_restarted_shard_resumes_from_the_checkpoint(t
         with pytest.raises(sg.ParameterServerUnavailable, match=f"127.0.0.1:{port}"):
             step()
         surfaced = time.monotonic() - t0
-        assert surfaced < 3 + 2
+        assert surfaced < 10 / 2
         opt.zero_grad()
         server = ShardServer("127.0.0.1", port)  # the replacement, at the same address
         server.start()

@@ -268,7 +268,9 @@ def test_compressed_pt_is_refused_before_torch_load(tmp_path: Path,
     called: list[Any] = []
     monkeypatch.setattr(torch, "load", lambda *a, **k: called.append(a))
     tracemalloc.start()
-    t0 = time.perf_counter()
+    # CPU time of this thread (here and below): "refused before the work" must not depend on
+    # how loaded the machine is.
+    t0 = time.thread_time()
     try:
         with pytest.raises(sg.CheckpointError, match=r"bomb.pt: zip member .* is compressed "
                                                      r"\(method 8, .*-> 67108864 bytes\).*Fix"):
@@ -277,7 +279,7 @@ def test_compressed_pt_is_refused_before_torch_load(tmp_path: Path,
     finally:
         tracemalloc.stop()
     assert not called and peak < 4 * bomb.stat().st_size + (1 << 20)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
     s, model = _saver()
     with pytest.raises(sg.CheckpointError, match="compressed"):
         s.restore(bomb, model=model)
@@ -363,12 +365,12 @@ def test_malformed_manifest_is_a_checkpoint_error(tmp_path: Path, case: str) -> 
     s.save(tmp_path / "ck", model=model, optimizer=opt, loader=loader)
     d = (tmp_path / "ck").resolve()
     _forge(d, mutate(json.loads((d / "manifest.json").read_text())))
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for call in (lambda: s.restore(tmp_path / "ck", model=model, optimizer=opt, loader=loader),
                  lambda: read_extras(tmp_path / "ck")):
         with pytest.raises(sg.CheckpointError, match=text):
             call()
-    assert time.perf_counter() - t0 < 2.0
+    assert time.thread_time() - t0 < 2.0
 
 
 def _replace_member(d: Path, name: str, data: bytes) -> None:
@@ -451,10 +453,10 @@ def test_header_of_many_entries_is_refused_quickly(tmp_path: Path, entries: int,
                                                    text: str) -> None:
     f = tmp_path / "many.safetensors"
     f.write_bytes(_header_file(entries, each))
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     with pytest.raises(sg.CheckpointError, match=text):
         read_safetensors(f)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
 
 
 def test_deeply_nested_header_is_refused_without_recursion(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 from helpers import train_briefly
@@ -30,11 +30,14 @@ import atexit, json, os, sys
 def probe():
     from stratagem.comm import live_backend_threads
     import threading
-    line = {"rank": int(os.environ["RANK"]), "gloo_threads": live_backend_threads(),
+    line = {"rank": int(os.environ["RANK"]), "ending": ENDING,
+            "gloo_threads": live_backend_threads(),
             "python_threads": sorted(t.name for t in threading.enumerate()
                                      if t is not threading.main_thread())}
     os.write(1, (json.dumps(line) + "\\n").encode())
 atexit.register(probe)
+# Rank 0 closes its strategy, rank 1 simply returns (close is local: no collective).
+ENDING = "close" if os.environ["RANK"] == "0" else "exit"
 
 import torch
 import stratagem as sg
@@ -43,70 +46,66 @@ from helpers import train_briefly
 strategy = sg.from_env()
 train_briefly(strategy)
 strategy.reduce("mean", torch.ones(()))  # a collective right before the end
-if sys.argv[1] == "close":
+if ENDING == "close":
     strategy.close()
 """
 
 
-def _train_and_close(name: str) -> dict[str, list[str]]:
-    strategy = sg.from_name(name, timeout=30)
-    model, _ = train_briefly(strategy)
-    before = live_backend_threads()
-    strategy.close()
-    after = live_backend_threads()
-    error = ""
-    try:
-        model(torch.randn(2, 6))
-    except RuntimeError as e:
-        error = str(e)
-    return {"before": before, "after": after, "initialized": [str(dist.is_initialized())],
-            "error": [error]}
-
-
-@pytest.mark.parametrize("name", ["mirrored", "diloco"])
-def test_close_joins_the_process_group_threads(name: str) -> None:
-    results = sg.launch(_train_and_close, nprocs=2, args=(name,), timeout=90)
-    for r in results:
-        assert r["before"], "the job should have had gloo threads while training"
-        assert r["after"] == [], f"gloo threads left after strategy.close(): {r['after']}"
-        assert r["initialized"] == ["False"]
-    if name == "mirrored":
-        # Using the DDP wrapper of a closed strategy says what to do instead.
-        assert all("closed Mirrored strategy" in r["error"][0] for r in results)
-
-
-def _strategies_in_turn() -> list[int]:
-    """What ``stratagem demo`` does: several strategies, one after the other, each closed
-    before the next is built. Rank 1 builds each later one a second late, so rank 0 looks for
-    rank 1's gloo address first: with one store prefix for every group it read the address of
-    rank 1's closed group ("Connection refused")."""
+def _strategies_in_turn() -> list[dict[str, Any]]:
+    """What ``stratagem demo`` does: several strategies, one after the other, each trained,
+    then closed before the next is built; what each close left behind is recorded. Rank 1
+    builds each later one a second late, so rank 0 looks for rank 1's gloo address first:
+    with one store prefix for every group it read the address of rank 1's closed group
+    ("Connection refused"). One launch for all of it: each costs ~8-10 s here."""
     import time
 
-    sums = []
+    out = []
     for i, name in enumerate(["mirrored", "local_sgd", "diloco"]):
         if i and os.environ["RANK"] == "1":
             time.sleep(1.0)
         strategy = sg.from_name(name, timeout=30)
-        sums.append(strategy.reduce("sum", 1))
+        total = strategy.reduce("sum", 1)
+        model, _ = train_briefly(strategy)
+        before = live_backend_threads()
         strategy.close()
-    return sums
+        after = live_backend_threads()
+        error = ""
+        try:
+            model(torch.randn(2, 6))
+        except RuntimeError as e:
+            error = str(e)
+        out.append({"name": name, "sum": total, "before": before, "after": after,
+                    "initialized": dist.is_initialized(), "error": error})
+    return out
 
 
-def test_a_strategy_built_after_close_gets_a_fresh_process_group() -> None:
-    assert sg.launch(_strategies_in_turn, nprocs=2, timeout=90) == [[2, 2, 2], [2, 2, 2]]
+def test_close_joins_the_process_group_threads_and_a_later_strategy_gets_a_fresh_group(
+        ) -> None:
+    results = sg.launch(_strategies_in_turn, nprocs=2, timeout=120)
+    for rank_results in results:
+        assert [r["name"] for r in rank_results] == ["mirrored", "local_sgd", "diloco"]
+        for r in rank_results:
+            assert r["sum"] == 2, r  # each later strategy got a working process group
+            assert r["before"], f"{r['name']}: the job should have had gloo threads"
+            assert r["after"] == [], f"gloo threads left after {r['name']}.close(): {r['after']}"
+            assert r["initialized"] is False, r
+        # Using the DDP wrapper of a closed strategy says what to do instead.
+        assert "closed Mirrored strategy" in rank_results[0]["error"], rank_results[0]
 
 
-@pytest.mark.parametrize("ending", ["close", "exit"])
-def test_no_backend_thread_left_when_finalization_starts(tmp_path: Path, ending: str) -> None:
+def test_no_backend_thread_left_when_finalization_starts(tmp_path: Path) -> None:
+    # Both endings in one job (one `stratagem run` costs ~10-20 s here): rank 0 calls
+    # strategy.close(), rank 1 returns without it; each process is probed on its own.
     script = tmp_path / "probe.py"
     script.write_text(EXIT_PROBE.replace("TESTS_DIR", repr(TESTS)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "stratagem.cli", "run", "--nproc", "2", "--strategy", "mirrored",
-         str(script), ending], env=env, capture_output=True, text=True, timeout=120)
+         str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert sorted(line["rank"] for line in lines) == [0, 1], proc.stdout + proc.stderr
+    assert sorted((line["rank"], line["ending"]) for line in lines) == [
+        (0, "close"), (1, "exit")], proc.stdout + proc.stderr
     for line in lines:
         assert line["gloo_threads"] == [], line
         assert not any(n.startswith("sg-heartbeat") for n in line["python_threads"]), line

@@ -68,6 +68,41 @@ def test_prepare_broadcasts_rank0_state():
     assert_states_close(a, make_model(seed=0).state_dict(), atol=0, rtol=0)
 
 
+def test_mirrored_prepare_broadcasts_the_model_once(monkeypatch):
+    # prepare broadcasts rank 0's state itself; DDP's constructor must not broadcast it again
+    # (init_sync=False, where torch's DDP takes it).
+    import torch.nn.parallel.distributed as ddp_module
+
+    from stratagem.comm import Comm
+    from stratagem.parts import grad_sync
+
+    calls: list[str] = []
+    real_ddp_sync = ddp_module._sync_module_states
+    real_broadcast = Comm.broadcast_coalesced
+
+    def ddp_sync(*args, **kwargs):
+        calls.append("ddp")
+        return real_ddp_sync(*args, **kwargs)
+
+    def broadcast(self, *args, **kwargs):
+        calls.append("stratagem")
+        return real_broadcast(self, *args, **kwargs)
+
+    monkeypatch.setattr(ddp_module, "_sync_module_states", ddp_sync)
+    monkeypatch.setattr(Comm, "broadcast_coalesced", broadcast)
+
+    def job(comm):
+        strategy = sg.Mirrored(comm=comm)
+        model = strategy.prepare(make_model(seed=comm.rank))
+        return strategy.unwrap(model).state_dict()
+
+    a, b = run_ranks(job, 2)
+    assert_states_close(a, b, atol=0, rtol=0)
+    assert_states_close(a, make_model(seed=0).state_dict(), atol=0, rtol=0)
+    expected_ddp = [] if grad_sync._DDP_TAKES_INIT_SYNC else ["ddp", "ddp"]
+    assert sorted(calls) == sorted(["stratagem", "stratagem", *expected_ddp])
+
+
 def test_mismatched_models_raise_naming_parameter_and_ranks():
     def job(comm):
         strategy = sg.Mirrored(comm=comm)

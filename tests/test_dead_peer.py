@@ -84,10 +84,12 @@ def test_stalled_peer_in_the_gradient_all_reduce_is_named_and_nothing_hangs():
     (r0, fired0), (r1, fired1) = run_ranks(job, 2, heartbeat=True, comm_timeout=TIMEOUT)
     assert fired0 == "[]" and fired1 == "[('stall', 'all_reduce', 3)]"
     assert r0[:2] == ("PeerTimeoutError", (1,)) and r0[3] == 2
-    assert r0[2] < TIMEOUT + DIAGNOSIS + 2
+    # Named after the timeout plus the diagnosis (4.5 s), not left waiting on the collective:
+    # the bounds leave 5 s and 10 s of slack for a loaded machine, far below the test's guard.
+    assert r0[2] < TIMEOUT + DIAGNOSIS + 5
     assert "rank(s) 1 is alive but did not join" in r0[4]
     assert r1[0] == "PeerTimeoutError"
-    assert time.monotonic() - t0 < stall + TIMEOUT + DIAGNOSIS + 5
+    assert time.monotonic() - t0 < stall + TIMEOUT + DIAGNOSIS + 10
 
 
 def test_dead_peer_in_diloco_outer_step_is_named():

@@ -149,22 +149,29 @@ def test_two_workers_async_by_hand(shards):
 
 def test_async_threads_with_in_process_shards_train_and_never_wait(shards):
     # Two async workers share a process group (run_ranks) and two in-process shards. Worker 1
-    # stalls for 1.5 s after 5 steps; worker 0 must finish its 30 steps meanwhile.
+    # stalls after 5 steps until worker 0 has finished its 30 steps: if worker 0 waited for
+    # worker 1 at any point, worker 1's wait would end at its 20 s limit instead (an ordering,
+    # not a wall-clock margin, so a loaded machine cannot fail it).
     data = make_data()
+    worker0_done = threading.Event()
+    stalled_until_worker0_done: list[bool] = []
+
+    def pause(step: int) -> None:
+        if step == 5:
+            stalled_until_worker0_done.append(worker0_done.wait(20))
 
     def job(comm):
         strategy = ElasticAveraging(period=2, mode="async", ps_addresses=shards, comm=comm,
                                     moving_rate=0.2)
-        t0 = time.monotonic()
-        pause = (lambda step: time.sleep(1.5) if step == 5 else None) if comm.rank == 1 else None
-        losses = _train(strategy, data, steps=30, on_step=pause)
-        elapsed = time.monotonic() - t0
+        losses = _train(strategy, data, steps=30, on_step=pause if comm.rank == 1 else None)
+        if comm.rank == 0:
+            worker0_done.set()
         center = dict(strategy.eval_model(strategy._prepared[0].module).state_dict())
         strategy.close()
-        return losses, elapsed, center
+        return losses, center
 
-    (l0, t0, c0), (l1, t1, c1) = run_ranks(job, 2)
-    assert t0 < 1.2 < 1.5 < t1
+    (l0, c0), (l1, c1) = run_ranks(job, 2)
+    assert stalled_until_worker0_done == [True] and len(l0) == len(l1) == 30
     assert sum(l0[-5:]) < sum(l0[:5]) and sum(l1[-5:]) < sum(l1[:5])
     # Worker 1 finished last: the center it read is the final one.
     with PSClient(shards, timeout=10) as client:
@@ -236,7 +243,9 @@ def test_async_late_and_restarted_worker_start_from_center_without_blocking(shar
     thread.start()
     t0 = time.monotonic()
     losses = _train(first, data, steps=20)
-    assert time.monotonic() - t0 < 10 and thread.is_alive()
+    # Blocked by the stalled worker, it would wait past the stalled thread's 30 s; 20 steps
+    # take ~1 s (a few s on a loaded machine). The bound is about the midpoint.
+    assert time.monotonic() - t0 < 15 and thread.is_alive()
     release.set()
     thread.join(5)
     assert len(losses) == 20
@@ -262,19 +271,23 @@ def test_async_penalty_form_matches_sync_for_one_worker(shards):
 
 
 def test_async_wait_for_all_starts_together(shards):
+    # Rank 1 joins 1 s late. With wait_for_all, rank 0 starts stepping only after rank 1 has
+    # begun to join: an ordering of two clock readings, which a loaded machine cannot reverse
+    # (without the wait, rank 0 would start ~1 s before rank 1 even begins).
     def job(comm):
         if comm.rank == 1:
-            time.sleep(0.5)
+            time.sleep(1.0)
+        joining = time.monotonic()
         strategy = ElasticAveraging(period=1, moving_rate=0.5, mode="async", ps_addresses=shards,
                                     wait_for_all=True, comm=comm)
         model, step = _pair_worker(strategy, 1.0)
         started = time.monotonic()
         step()
         strategy.close()
-        return started
+        return joining, started
 
-    t0, t1 = run_ranks(job, 2)
-    assert abs(t0 - t1) < 0.3
+    (_, started0), (joining1, started1) = run_ranks(job, 2)
+    assert joining1 < started0 and joining1 < started1
 
 
 # ---------------------------------------------------------------------- (e) stability

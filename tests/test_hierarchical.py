@@ -228,7 +228,14 @@ def test_checkpoints_move_between_hierarchical_and_flat(tmp_path) -> None:
             assert_close(state[k], saved[k])
 
 
-def _launched_job() -> tuple[list[int], list[int], float]:
+NODE_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK",
+             "STRATAGEM_NNODES"]
+
+
+def _launched_job() -> tuple[list[int], list[int], float, dict[str, str | None]]:
+    import os
+
     import torch.distributed as dist
 
     st = sg.Hierarchical(inner="mirrored", outer="diloco", outer_period=2)
@@ -242,12 +249,23 @@ def _launched_job() -> tuple[list[int], list[int], float]:
     inter = dist.get_process_group_ranks(groups.inter.group)
     weight = float(st.eval_model(model)[0].weight.sum())
     st.close()
-    return intra, inter, weight
+    return intra, inter, weight, {k: os.environ.get(k) for k in NODE_VARS}
 
 
 @pytest.mark.timeout(180)
 def test_hierarchical_in_launched_processes_on_two_simulated_nodes() -> None:
-    results = sg.launch(_launched_job, nprocs=4, nnodes=2)
+    """Also sg.launch's node simulation (issue 12): nprocs=4, nnodes=2 is two nodes of two,
+    numbered node by node with torchrun's variables (one launch checks both: each costs
+    ~15-20 s on this machine)."""
+    results = sg.launch(_launched_job, nprocs=4, nnodes=2, timeout=150)
+    for rank, r in enumerate(results):
+        node, local = divmod(rank, 2)
+        assert r[3] == {
+            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2",
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default",
+            "NODE_RANK": str(node), "STRATAGEM_NNODES": "2"}, rank
+    # Node 0 holds ranks 0+1, node 1 ranks 2+3; local rank l meets l and l+2 across nodes.
     assert [r[0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[1] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert len({r[2] for r in results}) == 1

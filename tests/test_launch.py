@@ -39,29 +39,6 @@ def _allreduce(scale: float) -> dict[str, object]:
     return {"rank": rank, "sum": t, "env": {k: os.environ.get(k) for k in CONTRACT}}
 
 
-NODE_VARS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK",
-             "STRATAGEM_NNODES"]
-
-
-def _node_sums() -> dict[str, object]:
-    """All-reduce within this worker's node (a group built from the torchrun variables) and
-    across nodes among peers with the same local rank: the sums prove which ranks share a node."""
-    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
-    rank, lws = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
-    nnodes = dist.get_world_size() // lws
-    # new_group is collective over the whole world: every rank creates every group, in order.
-    nodes = [dist.new_group(list(range(n * lws, (n + 1) * lws))) for n in range(nnodes)]
-    peers = [dist.new_group(list(range(lr, dist.get_world_size(), lws))) for lr in range(lws)]
-    inner = torch.tensor([float(rank)])
-    dist.all_reduce(inner, group=nodes[int(os.environ["GROUP_RANK"])])
-    outer = torch.tensor([float(rank)])
-    dist.all_reduce(outer, group=peers[int(os.environ["LOCAL_RANK"])])
-    dist.destroy_process_group()
-    return {"inner": inner.item(), "outer": outer.item(),
-            "env": {k: os.environ.get(k) for k in NODE_VARS}}
-
-
 def _raise_on_rank1() -> int:
     if os.environ["RANK"] == "1":
         raise ValueError("bad value 42")
@@ -156,8 +133,9 @@ def test_exit_code_stops_the_others_without_orphans(tmp_path: Path) -> None:
     assert "rank 1 exited with code 3" in str(info.value)
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert not any(_alive(p) for p in pids), pids
-    # Measured from the exit, not the launch: spawning is slow on a loaded 2-core machine.
-    assert time.time() - float((tmp_path / "exit_at").read_text()) < 10
+    # Measured from the exit, not the launch: spawning is slow on a loaded 2-core machine. The
+    # survivor is stopped at once, not at the launch's 50 s timeout; the bound is the midpoint.
+    assert time.time() - float((tmp_path / "exit_at").read_text()) < 25
 
 
 @pytest.mark.timeout(40)
@@ -165,7 +143,8 @@ def test_timeout_kills_a_hanging_job() -> None:
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"timed out after 5 s with ranks \[0\]"):
         launch(_hang, nprocs=1, timeout=5)
-    assert time.monotonic() - t0 < 5 + 5 + 3
+    # The 5 s timeout plus the kill and the spawn; a job left hanging meets the 40 s guard.
+    assert time.monotonic() - t0 < 5 + 15
 
 
 @pytest.mark.timeout(60)
@@ -174,8 +153,9 @@ def test_dead_peer_is_reported_and_survivor_does_not_hang(tmp_path: Path) -> Non
         launch(_dead_peer, nprocs=2, args=(str(tmp_path),), timeout=50)
     assert info.value.rank == 1, str(info.value)
     assert info.value.exitcode == -signal.SIGKILL and "SIGKILL" in str(info.value)
-    # gloo timeout (5 s) + 10 s, counted from the kill
-    assert time.time() - float((tmp_path / "killed_at").read_text()) < 5 + 10
+    # The gloo timeout (5 s) + slack, counted from the kill; a survivor left hanging would be
+    # stopped only at the launch's 50 s timeout. The bound is about the midpoint.
+    assert time.time() - float((tmp_path / "killed_at").read_text()) < 5 + 20
 
 
 @pytest.mark.timeout(40)
@@ -185,20 +165,10 @@ def test_worker_stuck_at_exit_is_killed_and_result_kept(monkeypatch: pytest.Monk
         assert launch(_return_then_hang_at_exit, nprocs=1, timeout=30) == [7]
 
 
-@pytest.mark.timeout(90)
-def test_simulated_nodes_get_torchrun_node_env_and_groups() -> None:
-    """Issue 12: nprocs=4, nnodes=2 is two nodes of two, numbered node by node as torchrun does."""
-    out = launch(_node_sums, nprocs=4, nnodes=2, timeout=80)
-    for rank, r in enumerate(out):
-        node, local = divmod(rank, 2)
-        assert r["env"] == {
-            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "4",
-            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2",
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "4", "ROLE_NAME": "default",
-            "NODE_RANK": str(node), "STRATAGEM_NNODES": "2"}, rank
-        # Node 0 holds ranks 0+1, node 1 ranks 2+3; local rank l meets l and l+2 across nodes.
-        assert r["inner"] == [1.0, 5.0][node], (rank, r)
-        assert r["outer"] == [2.0, 4.0][local], (rank, r)
+# sg.launch(nprocs=4, nnodes=2) (issue 12: the torchrun node variables, and groups built from
+# them holding the right ranks) is checked by one launch that also trains Hierarchical over
+# those groups: tests/test_hierarchical.py::test_hierarchical_in_launched_processes_on_two_
+# simulated_nodes (a launch of 4 processes costs ~15-20 s here; one does both).
 
 
 def test_worker_env_node_layout_matches_torchrun() -> None:

@@ -108,8 +108,10 @@ def test_dead_shard_raises_naming_its_address_within_the_deadline(monkeypatch):
         addr = shards.addresses[0]
         for k, v in shards.env().items():  # addresses and the job's token file
             monkeypatch.setenv(k, v)
+        # The dead shard's connection is refused at once (tens of ms), not at the deadline: a
+        # 10 s deadline keeps the two far apart on a loaded machine; the bound is the midpoint.
         s = ParameterServer(mode="async", ps_addresses=shards.addresses, comm=Comm.single(),
-                            timeout=2.0)
+                            timeout=10.0)
         with s.scope():
             model = make_model()
             model, opt = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -128,6 +130,6 @@ def test_dead_shard_raises_naming_its_address_within_the_deadline(monkeypatch):
         with pytest.raises(ParameterServerUnavailable, match=re.escape(addr)) as info:
             for i in range(3, 10):  # with prefetch the error surfaces at the next install
                 step(i)
-        assert time.monotonic() - t0 < 2.0 + 1.5
+        assert time.monotonic() - t0 < 10.0 / 2
         assert info.value.address == addr
         s.close()

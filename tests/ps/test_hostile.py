@@ -1,7 +1,8 @@
 """A hostile client next to a good one (issue 11): the shard stays available, bounded and finite.
 
 Each test runs a misbehaving client and checks (1) the refusal names the constraint and
-(2) a good client on the same shard is still served within 1 s. Amplification cases run the
+(2) a good client on the same shard is still served (within 5 s, where a blocked one would
+wait out its 10 s deadline; ~5 ms on a quiet machine). Amplification cases run the
 shard as a process of its own and check its peak RSS (VmHWM) around the hostile request.
 """
 
@@ -71,8 +72,14 @@ def _header_message(header: dict[str, Any], payload: bytes = b"") -> bytes:
     return struct.pack("<4sHHI", wire.MAGIC, 1, 0, len(raw)) + raw + bytes(pad) + payload
 
 
+# A good client's push+pull takes ~5 ms (p99 30 ms in scripts/ps_stall_soak.py). Delayed by the
+# stalled streams, it would wait out its 10 s deadline (their body timeout is 120 s). The bound
+# is about the midpoint, so a loaded machine's scheduling delays cannot fail it.
+GOOD_STEP_BOUND = 5.0
+
+
 class Good:
-    """A well-behaved worker: its push+pull must keep completing within 1 s."""
+    """A well-behaved worker: its push+pull must keep completing within GOOD_STEP_BOUND."""
 
     def __init__(self, address: str, name: str = "good") -> None:
         self.client = PSClient([address], token=TOKEN, timeout=10)
@@ -90,7 +97,7 @@ class Good:
         got = self.table.pull()[self.name]
         took = time.perf_counter() - t0
         self.worst = max(self.worst, took)
-        assert took < 1.0, f"good client's push+pull took {took:.2f} s"
+        assert took < GOOD_STEP_BOUND, f"good client's push+pull took {took:.2f} s"
         assert bool(torch.isfinite(got).all())
         assert self.table.versions[self.name] > before
 
@@ -230,7 +237,8 @@ def test_stalled_streams_on_one_connection_do_not_delay_a_good_client(shard, goo
             good.step()
             steps += 1
             time.sleep(0.05)
-        assert steps >= 20 and good.worst < 1.0
+        # ~150 steps on a quiet machine; a blocked client would manage at most one.
+        assert steps >= 10 and good.worst < GOOD_STEP_BOUND
         # The unauthenticated ones were refused at once, on their metadata alone.
         for c in intruder.calls:
             with pytest.raises(grpc.RpcError) as info:
@@ -249,10 +257,11 @@ def test_a_body_that_never_comes_is_cut_by_the_body_timeout() -> None:
             t0 = time.monotonic()
             for c in stalled.calls:
                 with pytest.raises(grpc.RpcError) as info:
-                    c.result(timeout=10)
+                    c.result(timeout=20)
                 assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert "body_timeout" in (info.value.details() or "")
-            assert time.monotonic() - t0 < 5
+            # Cut at the 1 s body timeout; uncut, they would wait out the 20 s above.
+            assert time.monotonic() - t0 < 1.0 + 5.0
             g.step()
         finally:
             stalled.close()

@@ -25,6 +25,7 @@ paths, chosen once per model in ``wrap_model``:
 
 # No "from __future__ import annotations": DDP checks the comm hook's annotations at run time.
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
     from ..strategy import Prepared
 
 __all__ = ["GradientSync"]
+
+#: DDP's ``init_sync`` (torch >= 2.5; the package supports torch >= 2.4): whether its
+#: constructor checks the parameter shapes across ranks and broadcasts rank 0's parameters and
+#: buffers. Without it, those collectives always run.
+_DDP_TAKES_INIT_SYNC = "init_sync" in inspect.signature(DDP.__init__).parameters
 
 
 class _HookState:
@@ -133,7 +139,11 @@ class GradientSync(Part):
     """All-reduce the gradients over ``comm`` during the backward, with DDP.
 
     ``compression`` (None, "fp16", "bf16") and ``error_feedback`` as described in the module
-    docstring; ``bucket_cap_mb`` and ``find_unused_parameters`` are DDP's. The owning
+    docstring; ``bucket_cap_mb`` and ``find_unused_parameters`` are DDP's. ``init_sync=False``
+    skips DDP's own check of the parameter shapes and broadcast of rank 0's state at wrap time,
+    for a caller that has already made the replicas equal over a group holding this ``comm``
+    (``Strategy.prepare`` does: its replica check and broadcast run before ``wrap_model``);
+    with a torch whose DDP lacks the flag, DDP's broadcast still runs. The owning
     strategy's loss scale is read at each compressed bucket (residuals are kept unscaled).
     On failure a dead or stalled peer makes the all-reduce fail within the Comm's timeout and
     the backward raises ``PeerTimeoutError`` naming it. Memory: DDP's buckets (at most one
@@ -144,8 +154,9 @@ class GradientSync(Part):
 
     def __init__(self, comm: Comm, *, bucket_cap_mb: float = 25,
                  compression: "str | None" = None, error_feedback: bool = False,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, init_sync: bool = True) -> None:
         super().__init__(comm)
+        self.init_sync = init_sync
         self.bucket_cap_mb = bucket_cap_mb
         self.compression = compression
         self.error_feedback = error_feedback
@@ -162,12 +173,16 @@ class GradientSync(Part):
         if self.comm.world_size == 1:
             return model
         device = module_device(module)
+        extra: dict[str, Any] = {}
+        if not self.init_sync and _DDP_TAKES_INIT_SYNC:
+            extra["init_sync"] = False
         ddp = DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=self.comm.group,
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
+            **extra,
         )
         self._wrappers.add(ddp)
         # The built-in path needs every reduced parameter to get a gradient in every

@@ -56,6 +56,10 @@ class Mirrored(Strategy):
         self.find_unused_parameters = find_unused_parameters
 
     def _build_parts(self, comm: Comm) -> list[Part]:
+        # init_sync=False: prepare has checked the replicas and broadcast rank 0's parameters
+        # and buffers (Strategy._initial_sync) over the whole job before wrapping, so DDP's
+        # constructor would only broadcast the same model a second time.
         return [GradientSync(comm, bucket_cap_mb=self.bucket_cap_mb,
                              compression=self.compression, error_feedback=self.error_feedback,
-                             find_unused_parameters=self.find_unused_parameters)]
+                             find_unused_parameters=self.find_unused_parameters,
+                             init_sync=False)]
