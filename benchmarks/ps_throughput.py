@@ -10,8 +10,9 @@ ones) run as separate processes so they do not share the workers' GIL.
     PYTHONPATH=src python benchmarks/ps_throughput.py [--mb 8] [--seconds 2]
         [--before-src DIR [--before-two-calls]]
 
-Ours is one Downpour step as ``ParameterServer`` runs it: ``push_fetch_async`` (push and
-fetch in one round trip per shard). With ``--before-src DIR`` (another checkout's ``src``, e.g.
+Ours is one Downpour step: ``push_fetch_async`` (push and fetch in one round trip per
+shard); "ours, buckets" is the same step cut as ``ParameterServer(mode="async")`` cuts it by
+default (``bucket_cap_mb``: at most 16 concurrent calls per step). With ``--before-src DIR`` (another checkout's ``src``, e.g.
 ``git archive HEAD src | tar -x -C /tmp/before``) the same cells also time that version's
 shard processes, alternating with the others, driven by this checkout's client with the same
 ``push_fetch_async`` step (so "before" isolates shard-side changes); ``--before-two-calls``
@@ -50,7 +51,7 @@ import grpc.aio
 import torch
 
 from stratagem.ps import wire
-from stratagem.ps.placement import greedy, specs_of
+from stratagem.ps.placement import MaxSizePartitioner, greedy, specs_of
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient
 
@@ -209,16 +210,22 @@ def run_workers(num_workers: int, seconds: float, make_step: Callable[[int], Cal
 
 
 def ours_step_factory(addrs: list[str], params: dict[str, torch.Tensor],
-                      two_calls: bool = False) -> Callable[[int], Callable[[], int]]:
+                      two_calls: bool = False, buckets: bool = False
+                      ) -> Callable[[int], Callable[[], int]]:
+    """Our Downpour step: one push+fetch call per shard, or with ``buckets`` as
+    ``ParameterServer(mode="async")`` runs it by default (``bucket_cap_mb=0.125``, raised so a
+    step makes at most 16 calls; big tensors cut to the bucket size)."""
     grads = {k: torch.randn_like(v) * 1e-6 for k, v in params.items()}
     nbytes = 2 * sum(v.nbytes for v in params.values())
+    bucket = max(1 << 17, -(-nbytes // 2 // 16)) if buckets else None
+    kwargs: dict[str, Any] = {"optimizer_spec": {"name": "sgd", "lr": 1e-3}}
+    if bucket is not None:
+        kwargs["partitioner"] = MaxSizePartitioner(bucket, max_shards=16)
     # The first worker registers; the others get the existing values back.
-    ShardedParameters(PSClient(addrs), params, optimizer_spec={"name": "sgd", "lr": 1e-3}
-                      ).register()
+    ShardedParameters(PSClient(addrs), params, **kwargs).register()
 
     def make(_: int) -> Callable[[], int]:
-        table = ShardedParameters(PSClient(addrs), params,
-                                  optimizer_spec={"name": "sgd", "lr": 1e-3})
+        table = ShardedParameters(PSClient(addrs), params, **kwargs)
         table.register()
 
         names = list(params)
@@ -228,7 +235,7 @@ def ours_step_factory(addrs: list[str], params: dict[str, torch.Tensor],
                 table.push(grads)
                 table.pull()
             else:
-                table.push_fetch_async(grads, fetch=names).result()
+                table.push_fetch_async(grads, fetch=names, max_request_bytes=bucket).result()
             return nbytes
         return step
     return make
@@ -328,11 +335,12 @@ def main() -> None:
         for num_workers in [int(x) for x in args.workers.split(",")]:
             procs: list[subprocess.Popen[bytes]] = []
             try:
-                addrs: dict[str, list[str]] = {"ours": [], "raw": [], "raw_aio": [],
-                                               "minimal": [], "before": []}
+                addrs: dict[str, list[str]] = {"ours": [], "ours_buckets": [], "raw": [],
+                                               "raw_aio": [], "minimal": [], "before": []}
                 for n in shard_bytes:
                     for side, cmd, src in (
                             ("ours", ["-m", "stratagem.ps.server"], None),
+                            ("ours_buckets", ["-m", "stratagem.ps.server"], None),
                             ("raw", [__file__, "--raw-server", "--nbytes", str(n)], None),
                             ("raw_aio", [__file__, "--raw-server", "--aio", "--nbytes", str(n)],
                              None),
@@ -345,6 +353,8 @@ def main() -> None:
                         addrs[side].append(a)
                 sides: dict[str, Callable[[int], Callable[[], int]]] = {
                     "ours": ours_step_factory(addrs["ours"], params),
+                    "ours_buckets": ours_step_factory(addrs["ours_buckets"], params,
+                                                      buckets=True),
                     "raw": raw_step_factory(addrs["raw"], shard_bytes, max_bytes),
                     "raw_aio": raw_step_factory(addrs["raw_aio"], shard_bytes, max_bytes),
                     "minimal": minimal_step_factory(addrs["minimal"], params, shard_bytes,
@@ -368,6 +378,8 @@ def main() -> None:
                    "raw_sync_MBps": round(mean["raw"], 1),
                    "raw_aio_MBps": round(mean["raw_aio"], 1),
                    "raw_grpc_MBps": round(raw, 1), "ratio": round(mean["ours"] / raw, 3),
+                   "ours_buckets_MBps": round(mean["ours_buckets"], 1),
+                   "ours_buckets_ratio": round(mean["ours_buckets"] / raw, 3),
                    "minimal_MBps": round(mean["minimal"], 1),
                    "minimal_over_raw": round(mean["minimal"] / raw, 3),
                    "ours_over_minimal": round(mean["ours"] / mean["minimal"], 3),
@@ -393,12 +405,14 @@ def main() -> None:
     if args.before_src:
         cols.append(("before MB/s", lambda r: str(r["before_MBps"])))
     cols += [("ours MB/s", lambda r: str(r["ours_MBps"])),
+             ("ours, buckets MB/s", lambda r: str(r["ours_buckets_MBps"])),
              ("raw sync MB/s", lambda r: str(r["raw_sync_MBps"])),
              ("raw aio MB/s", lambda r: str(r["raw_aio_MBps"])),
              ("minimal PS MB/s", lambda r: str(r["minimal_MBps"]))]
     if args.before_src:
         cols.append(("before / raw", lambda r: f"{r['before_ratio']:.2f}"))
     cols += [("**ours / raw**", lambda r: f"**{r['ratio']:.2f}**"),
+             ("ours, buckets / raw", lambda r: f"{r['ours_buckets_ratio']:.2f}"),
              ("minimal / raw", lambda r: f"{r['minimal_over_raw']:.2f}"),
              ("ours / minimal", lambda r: f"{r['ours_over_minimal']:.2f}"),
              ("local copy MB/s", lambda r: str(r["local_copy_MBps"]))]
@@ -410,7 +424,10 @@ def main() -> None:
               "bytes pushed plus parameter bytes pulled. ours / raw divides by the faster raw "
               "server (thread-pool `grpc.server` or `grpc.aio`), each answering one `Exchange` "
               "call per shard per step (gradient bytes in, parameter bytes out), the shape of "
-              "our push+fetch. \"minimal PS\" is the least a Python gRPC parameter server does "
+              "our push+fetch. \"ours, buckets\" is the same step cut as "
+              "`ParameterServer(mode=\"async\")` cuts it by default (`bucket_cap_mb=0.125`, raised "
+              "to at most 16 concurrent calls per step, big tensors partitioned to the bucket "
+              "size). \"minimal PS\" is the least a Python gRPC parameter server does "
               "per step: the client copies the gradient tensors into the request `bytes`, the "
               "shard views them (no framing, header or checks), applies one SGD step and copies "
               "the parameters into the reply; ours / minimal is what framing, validation, the "
