@@ -81,13 +81,18 @@ def raw_server_main(port_file: str, nbytes: int, max_bytes: int, use_aio: bool) 
     if use_aio:
         asyncio.run(_raw_aio_server(port_file, blob, max_bytes))
         return
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
-                         options=wire.channel_options(max_bytes))
-    handlers = {
+    serve_thread_pool(port_file, max_bytes, {
         "Exchange": grpc.unary_unary_rpc_method_handler(lambda req, ctx: blob),
         "Put": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b""),
         "Get": grpc.unary_unary_rpc_method_handler(lambda req, ctx: blob),
-    }
+    })
+
+
+def serve_thread_pool(port_file: str, max_bytes: int, handlers: dict[str, Any]) -> None:
+    """Serve ``handlers`` on a thread-pool ``grpc.server`` until SIGTERM; the port goes to
+    ``port_file``."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                         options=wire.channel_options(max_bytes))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE,
                                                                          handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -139,18 +144,8 @@ def minimal_server_main(port_file: str, nbytes: int, max_bytes: int) -> None:
             param.add_(grad, alpha=-1e-3)
             return param.numpy().tobytes()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
-                         options=wire.channel_options(max_bytes))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        RAW_SERVICE, {"Exchange": grpc.unary_unary_rpc_method_handler(exchange)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    Path(port_file).write_text(str(port))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    while not stop.wait(0.2):
-        pass
-    server.stop(0)
+    serve_thread_pool(port_file, max_bytes,
+                      {"Exchange": grpc.unary_unary_rpc_method_handler(exchange)})
 
 
 def spawn(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[bytes], str]:

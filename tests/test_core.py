@@ -57,20 +57,9 @@ def test_mirrored_bytes_match_ring_allreduce_theory():
     assert sent[0] == pytest.approx(5 * 2 * (2 - 1) / 2 * n_bytes, rel=0.01)
 
 
-def test_prepare_broadcasts_rank0_state():
-    def job(comm):
-        strategy = sg.Mirrored(comm=comm)
-        model = strategy.prepare(make_model(seed=comm.rank))
-        return strategy.unwrap(model).state_dict()
-
-    a, b = run_ranks(job, 2)
-    assert_states_close(a, b, atol=0, rtol=0)
-    assert_states_close(a, make_model(seed=0).state_dict(), atol=0, rtol=0)
-
-
-def test_mirrored_prepare_broadcasts_the_model_once(monkeypatch):
-    # prepare broadcasts rank 0's state itself; DDP's constructor must not broadcast it again
-    # (init_sync=False, where torch's DDP takes it).
+def test_prepare_broadcasts_rank0_state_once(monkeypatch):
+    # Every replica starts from rank 0's state: prepare broadcasts it itself, and DDP's
+    # constructor must not broadcast it again (init_sync=False, where torch's DDP takes it).
     import torch.nn.parallel.distributed as ddp_module
 
     from stratagem.comm import Comm

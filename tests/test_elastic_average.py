@@ -3,6 +3,7 @@ the paper's stability condition, equivalences, checkpoints, byte accounting, rej
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -177,6 +178,30 @@ def test_async_threads_with_in_process_shards_train_and_never_wait(shards):
     with PSClient(shards, timeout=10) as client:
         final = ShardedParameters(client, c1, mode="elastic").pull()
     assert_states_close(c1, final, atol=0, rtol=0)
+
+
+def test_async_non_chief_waits_for_the_chief_without_provoking_refusals(shards, caplog):
+    # The chief registers the center late; the other worker waits on the shards' health
+    # (ShardedParameters.join), not by pulling names the shards do not hold yet, which each
+    # shard refused and logged ("refused a call ... NOT_FOUND"). Both start from the center.
+    caplog.set_level(logging.INFO, logger="stratagem.ps.server")
+
+    def job(comm):
+        if comm.rank == 0:
+            time.sleep(0.5)
+        s = ElasticAveraging(period=2, mode="async", ps_addresses=shards, comm=comm,
+                             moving_rate=0.2)
+        with s.scope():
+            model = make_model(seed=comm.rank)  # different weights: the chief's must win
+            model, _ = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        out = {k: v.clone() for k, v in s.unwrap(model).state_dict().items()}
+        s.close()
+        return out
+
+    chief, other = run_ranks(job, 2)
+    assert_states_close(chief, other, atol=0, rtol=0)
+    assert_states_close(chief, make_model(seed=0).state_dict(), atol=0, rtol=0)
+    assert [r.getMessage() for r in caplog.records if "refused a call" in r.getMessage()] == []
 
 
 def _train(strategy, data, *, steps, lr=0.1, seed=0, opt="sgd", batch=32, on_step=None):

@@ -23,7 +23,7 @@ from stratagem.compression import KINDS, check_compression
 from stratagem.errors import PeerTimeoutError
 from stratagem.ps import optim as ps_optim
 from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
-from stratagem.ps.transport import PSClient, PSFuture, RemoteError, Request
+from stratagem.ps.transport import PSClient, PSFuture, Request
 from stratagem.ps.wire import Entry, Message
 
 __all__ = ["ShardedParameters", "PushOutcome", "PushFetch"]
@@ -209,18 +209,29 @@ class ShardedParameters:
             return self.register()
         wait = self.client.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + wait
+        # Wait on the shards' ``health`` (it lists the names they hold), not by pulling: a pull
+        # of a name not yet registered is refused with NOT_FOUND and every refusal is logged
+        # by the shard, which read like an error in every job's log.
+        wanted: dict[int, set[str]] = {}
+        for p in self.placement.parts:
+            wanted.setdefault(p.shard, set()).add(p.key)
+        total = sum(map(len, wanted.values()))
         while True:
-            try:
+            remaining = deadline - time.monotonic()
+            health = self.client.health(timeout=max(0.1, min(remaining, self.client.timeout)))
+            missing = 0
+            for shard, keys in wanted.items():
+                held = health[shard].get("versions")
+                missing += len(keys - set(held)) if isinstance(held, dict) else len(keys)
+            if not missing:
                 return self.pull()
-            except RemoteError as exc:
-                if exc.code != "NOT_FOUND":
-                    raise
-                if time.monotonic() >= deadline:
-                    raise PeerTimeoutError(
-                        f"the chief (replica 0) did not register the parameters on the "
-                        f"parameter-server shards within {wait:g} s ({exc}); check that it "
-                        "started, or raise timeout=") from None
-            time.sleep(poll)
+            if time.monotonic() >= deadline:
+                raise PeerTimeoutError(
+                    f"the chief (replica 0) did not register the parameters on the "
+                    f"parameter-server shards within timeout={wait:g} s ({missing} of {total} "
+                    "tensor parts still missing); check that the chief started and reached "
+                    "prepare(), or raise timeout=")
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
     def pull_async(self, names: Sequence[str] | None = None, *,
                    into: Mapping[str, torch.Tensor] | None = None

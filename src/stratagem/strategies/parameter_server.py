@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,36 +48,6 @@ _MODES = ("async", "sync")
 #: At most this many push-fetch calls per step (bucket_cap_mb is raised for big models): each
 #: is an HTTP/2 stream, and shards cap the streams of one connection.
 _MAX_BUCKETS = 16
-
-
-def _wait_for_chief(table: ShardedParameters, timeout: float, poll: float = 0.05) -> None:
-    """Wait until the chief's registration of every part of ``table`` is on its shard.
-
-    It asks the shards' ``health`` (which lists the names they hold) rather than pulling: a
-    pull of a name not yet registered is refused with NOT_FOUND, and a shard logs each refusal,
-    so a non-chief worker polling by pulls filled the shard's log with lines that read like
-    errors. Raises :class:`PeerTimeoutError` naming the chief after ``timeout`` seconds.
-    """
-    wanted: dict[int, set[str]] = collections.defaultdict(set)
-    for part in table.placement.parts:
-        wanted[part.shard].add(part.key)
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        health = table.client.health(timeout=max(0.1, remaining))
-        missing = 0
-        for shard, keys in wanted.items():
-            held = health[shard].get("versions") if shard < len(health) else None
-            missing += len(keys - set(held)) if isinstance(held, dict) else len(keys)
-        if not missing:
-            return
-        if time.monotonic() >= deadline:
-            raise PeerTimeoutError(
-                f"the chief (replica 0) did not register the parameters on the parameter-server "
-                f"shards within timeout={timeout:g} s ({missing} of "
-                f"{sum(map(len, wanted.values()))} tensor parts still missing); check that the "
-                "chief started and reached prepare(), or raise timeout=")
-        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
 
 
 @dataclass
@@ -364,8 +333,6 @@ class ParameterServer(Strategy):
             # a run does not depend on which worker registered first (issue 11). A worker
             # (re)starting later gets the current values either way, and pushes nothing
             # before it has them.
-            if not self.is_chief:
-                _wait_for_chief(table, self.timeout)
             values = table.join(register=self.is_chief, timeout=self.timeout)
             versions = table.versions
             with torch.no_grad():
