@@ -279,9 +279,15 @@ class PSClient:
             try:
                 self.health(timeout=max(0.1, min(2.0, remaining)))
                 return
-            except ParameterServerUnavailable:
+            except ParameterServerUnavailable as exc:
                 if remaining <= 0:
-                    raise
+                    # Name the whole wait, not the last short attempt's deadline.
+                    raise ParameterServerUnavailable(
+                        f"parameter-server shard {exc.address} did not answer within "
+                        f"{timeout:g} s of waiting for the shards to start (last attempt: "
+                        f"{exc}); check that the shard process is running and reachable "
+                        "(STRATAGEM_PS_ADDRS), or raise timeout=", address=exc.address
+                    ) from None
                 time.sleep(min(0.1, max(0.0, remaining)))
 
     def shutdown(self, shards: Sequence[int] | None = None) -> None:
