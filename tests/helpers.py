@@ -73,3 +73,30 @@ def mse_steps(strategy, model, opt, steps: int, batch) -> None:
         strategy.backward(nn.functional.mse_loss(model(x), y))
         opt.step()
         opt.zero_grad()
+
+
+def join_with_late_chief(make_strategy, caplog) -> tuple[dict, dict, list[str]]:
+    """Two thread ranks, each building its model from its own seed; the chief (rank 0)
+    prepares 0.5 s late. Returns both ranks' weights right after ``prepare`` and the
+    shard's "refused a call" log lines (``caplog`` must capture ``stratagem.ps.server``)."""
+    import logging
+    import time
+
+    from stratagem.testing import run_ranks
+
+    caplog.set_level(logging.INFO, logger="stratagem.ps.server")
+
+    def job(comm):
+        if comm.rank == 0:
+            time.sleep(0.5)
+        s = make_strategy(comm)
+        with s.scope():
+            model = make_model(seed=comm.rank)  # different weights: the chief's must win
+            model, _ = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        out = {k: v.clone() for k, v in s.unwrap(model).state_dict().items()}
+        s.close()
+        return out
+
+    chief, other = run_ranks(job, 2)
+    refusals = [r.getMessage() for r in caplog.records if "refused a call" in r.getMessage()]
+    return chief, other, refusals

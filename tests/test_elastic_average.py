@@ -3,7 +3,6 @@ the paper's stability condition, equivalences, checkpoints, byte accounting, rej
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -11,7 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
-from helpers import assert_states_close, make_data, make_model
+from helpers import assert_states_close, join_with_late_chief, make_data, make_model
 from torch import nn
 
 import stratagem as sg
@@ -184,24 +183,12 @@ def test_async_non_chief_waits_for_the_chief_without_provoking_refusals(shards, 
     # The chief registers the center late; the other worker waits on the shards' health
     # (ShardedParameters.join), not by pulling names the shards do not hold yet, which each
     # shard refused and logged ("refused a call ... NOT_FOUND"). Both start from the center.
-    caplog.set_level(logging.INFO, logger="stratagem.ps.server")
-
-    def job(comm):
-        if comm.rank == 0:
-            time.sleep(0.5)
-        s = ElasticAveraging(period=2, mode="async", ps_addresses=shards, comm=comm,
-                             moving_rate=0.2)
-        with s.scope():
-            model = make_model(seed=comm.rank)  # different weights: the chief's must win
-            model, _ = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        out = {k: v.clone() for k, v in s.unwrap(model).state_dict().items()}
-        s.close()
-        return out
-
-    chief, other = run_ranks(job, 2)
+    chief, other, refusals = join_with_late_chief(
+        lambda comm: ElasticAveraging(period=2, mode="async", ps_addresses=shards, comm=comm,
+                                      moving_rate=0.2), caplog)
     assert_states_close(chief, other, atol=0, rtol=0)
     assert_states_close(chief, make_model(seed=0).state_dict(), atol=0, rtol=0)
-    assert [r.getMessage() for r in caplog.records if "refused a call" in r.getMessage()] == []
+    assert refusals == []
 
 
 def _train(strategy, data, *, steps, lr=0.1, seed=0, opt="sgd", batch=32, on_step=None):

@@ -4,13 +4,12 @@ checkpoints across strategies, prefetch. In-process shards, ranks as threads."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_states_close, make_data, make_model, train
+from helpers import assert_states_close, join_with_late_chief, make_data, make_model, train
 from safetensors.torch import load_model
 from torch import nn
 
@@ -656,23 +655,9 @@ def test_non_chief_waits_for_the_chief_without_provoking_refusals(shards, caplog
     # The chief comes late; the other worker waits by asking the shards' health, not by
     # pulling names they do not hold yet (each such pull was refused and logged by the shard:
     # `make demo` printed "refused a call ... NOT_FOUND ... register it first").
-    caplog.set_level(logging.INFO, logger="stratagem.ps.server")
-
-    def job(comm):
-        if comm.rank == 0:
-            time.sleep(0.5)
-        torch.manual_seed(comm.rank)  # different initial weights: the chief's must win
-        s = _ps(shards, comm=comm)
-        with s.scope():
-            model = make_model()
-            model, _ = s.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        out = {k: v.clone() for k, v in s.unwrap(model).state_dict().items()}
-        s.close()
-        return out
-
-    chief, other = run_ranks(job, 2)
+    chief, other, refusals = join_with_late_chief(lambda comm: _ps(shards, comm=comm), caplog)
     assert_states_close(chief, other, atol=0, rtol=0)
-    refusals = [r.getMessage() for r in caplog.records if "refused a call" in r.getMessage()]
+    assert_states_close(chief, make_model(seed=0).state_dict(), atol=0, rtol=0)
     assert refusals == []
 
 
