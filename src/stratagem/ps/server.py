@@ -485,8 +485,8 @@ class ShardServer:
             return _INLINE_BYTES + 1
         total = sum(e.tensor.nbytes for e in msg.entries)
         names = msg.fields.get("fetch" if msg.op == "push" else "names")
-        if msg.op == "pull" and names is None:
-            names = list(self._slots)
+        if msg.op == "pull" and names is None:  # every tensor
+            return total + sum(s.value.nbytes for s in self._slots.values())
         if isinstance(names, list):
             for n in names:
                 slot = self._slots.get(n) if isinstance(n, str) else None

@@ -212,9 +212,8 @@ class ShardedParameters:
         # Wait on the shards' ``health`` (it lists the names they hold), not by pulling: a pull
         # of a name not yet registered is refused with NOT_FOUND and every refusal is logged
         # by the shard, which read like an error in every job's log.
-        wanted: dict[int, set[str]] = {}
-        for p in self.placement.parts:
-            wanted.setdefault(p.shard, set()).add(p.key)
+        wanted = {shard: {p.key for p in parts}
+                  for shard, parts in self._by_shard(self.names).items()}
         total = sum(map(len, wanted.values()))
         while True:
             remaining = deadline - time.monotonic()
