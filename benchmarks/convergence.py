@@ -350,6 +350,9 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
 
     name, strategy_args, needs_ps, sync = STRATEGIES[key] if spec is None else spec
+    # A variant's "_env" sets environment variables of its processes (shard, workers).
+    strategy_args = dict(strategy_args)
+    job_env = {str(k): str(v) for k, v in strategy_args.pop("_env", {}).items()}
     W = args.workers
     per_node = W // (nnodes or 1)
     host = "127.0.0.1" if topo is None else topo.host_ip
@@ -370,7 +373,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     error = None
     try:
         if needs_ps:
-            shards = start_ps_shards(1, host=host)
+            shards = start_ps_shards(1, host=host, env={**os.environ, **job_env})
         script = [sys.executable, str(Path(__file__).resolve())]
         # Async strategies get an evaluator (rank W here) on the bridge, next to the shard.
         for r in range(W if sync else W + 1):
@@ -381,6 +384,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
             if shards is not None:
                 env.update(shards.env())  # the job's shard token file
             env["OMP_NUM_THREADS"] = "1"
+            env.update(job_env)
             env["PYTHONPATH"] = child_pythonpath(env)
             if r < W:
                 ns = r if nnodes is None else r // per_node
@@ -634,7 +638,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, example: str) -> None:
     ``benchmarks/lm.py``."""
     p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:JSON",
                    help=f"an extra row: strategy BASE with these arguments, e.g. '{example}' "
-                        "(repeatable; list NAME in --strategies)")
+                        "(repeatable; list NAME in --strategies); a key \"_env\" holds "
+                        "environment variables for that row's processes instead")
     p.add_argument("--netns-prefix", default="sgcv",
                    help="name prefix of the namespaces (<= 6 chars; distinct per parallel run)")
     p.add_argument("--subnet", default="10.77.0",

@@ -46,12 +46,13 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
-import grpc.aio
 import torch
 
 from stratagem.ps import wire
 from stratagem.ps.placement import MaxSizePartitioner, greedy, specs_of
+
+# gRPC as stratagem imports it (its receive tuning on), so raw and ours run the same gRPC.
+from stratagem.ps.rpc import grpc
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient
 
@@ -188,10 +189,15 @@ def run_workers(num_workers: int, seconds: float, make_step: Callable[[int], Cal
     start = threading.Barrier(num_workers + 1)
     end = [0.0]
 
+    errors: list[BaseException] = []
+
     def loop(i: int) -> None:
         start.wait()
-        while time.perf_counter() < end[0]:
-            moved[i] += steps[i]()
+        try:
+            while time.perf_counter() < end[0]:
+                moved[i] += steps[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below: a dead worker thread
+            errors.append(exc)        # must fail the cell, not lower its throughput
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(num_workers)]
     for t in threads:
@@ -201,6 +207,8 @@ def run_workers(num_workers: int, seconds: float, make_step: Callable[[int], Cal
     start.wait()
     for t in threads:
         t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {num_workers} worker threads failed") from errors[0]
     return sum(moved) / (time.perf_counter() - t0) / 1e6
 
 

@@ -25,11 +25,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import torch
 
 from stratagem.launcher import child_pythonpath
 from stratagem.ps import wire
+from stratagem.ps.rpc import grpc
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient
 

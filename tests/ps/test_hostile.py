@@ -23,13 +23,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 from torch.testing import assert_close
 
 from stratagem.launcher import child_pythonpath, start_ps_shards
 from stratagem.ps import wire
+from stratagem.ps.rpc import grpc
 from stratagem.ps.server import ShardServer
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient, RemoteError

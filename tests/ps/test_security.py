@@ -9,12 +9,12 @@ import struct
 import subprocess
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from torch.testing import assert_close
 
 from stratagem.ps import wire
+from stratagem.ps.rpc import grpc
 from stratagem.ps.server import ShardServer
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient, RemoteError

@@ -10,8 +10,9 @@ import torch
 from torch.testing import assert_close
 
 from stratagem.errors import PeerTimeoutError
-from stratagem.ps.placement import FixedShardsPartitioner
-from stratagem.ps.server import start_local_shards
+from stratagem.ps import transport
+from stratagem.ps.placement import FixedShardsPartitioner, MaxSizePartitioner
+from stratagem.ps.server import ShardServer, start_local_shards
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient, RemoteError
 
@@ -485,3 +486,29 @@ def test_client_reuses_its_call_threads_and_stops_them_on_close(shards) -> None:
     assert call_threads() == before
     with pytest.raises(RuntimeError, match="closed"):
         client.health()
+
+
+def test_calls_beyond_the_streams_cap_are_sent_again_and_applied_once(monkeypatch) -> None:
+    """gRPC's client does not wait for a free stream: calls beyond the shard's
+    ``max_concurrent_streams`` on one connection are refused (HTTP/2 REFUSED_STREAM). The
+    client sends them again, and every push lands exactly once."""
+    refused = []
+    real = transport._refused_stream
+
+    def counting(exc):  # type: ignore[no-untyped-def]
+        refused.append(real(exc))
+        return refused[-1]
+
+    monkeypatch.setattr(transport, "_refused_stream", counting)
+    with ShardServer("127.0.0.1", 0, max_concurrent_streams=2) as server:
+        with PSClient([server.address], timeout=20) as client:
+            table = ShardedParameters(client, {"w": torch.zeros(16_384)},
+                                      optimizer_spec={"name": "sgd", "lr": 1.0},
+                                      partitioner=MaxSizePartitioner(4096, max_shards=16))
+            table.register()
+            for _ in range(10):  # 16 concurrent calls per step on a 2-stream connection
+                table.push_fetch_async({"w": torch.ones(16_384)}, fetch=["w"],
+                                       max_request_bytes=4096).result()
+            assert torch.equal(table.pull()["w"], torch.full((16_384,), -10.0))
+            assert table.versions == {"w": 10}
+    assert any(refused)  # the cap was hit and the calls were sent again

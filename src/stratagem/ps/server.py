@@ -36,14 +36,13 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
-import grpc.aio
 import torch
 
 from stratagem.ps import auth as ps_auth
 from stratagem.ps import optim as ps_optim
 from stratagem.ps import rules, wire
 from stratagem.ps.flags import DEFAULT_MAX_BYTES, add_shard_arguments
+from stratagem.ps.rpc import grpc
 from stratagem.ps.rules import Slot
 from stratagem.ps.rules import is_int as _is_int
 from stratagem.ps.rules import refused as _err

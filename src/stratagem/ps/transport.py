@@ -16,11 +16,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-import grpc
-
 from stratagem.errors import ParameterServerUnavailable, StratagemError
 from stratagem.ps import auth as ps_auth
 from stratagem.ps import wire
+from stratagem.ps.rpc import grpc
 from stratagem.ps.wire import Entry, Message
 
 __all__ = ["PSClient", "PSFuture", "RemoteError", "Request"]
@@ -32,6 +31,14 @@ Request = tuple[int, str, "Mapping[str, Any] | None", Sequence[Entry]]
 
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED)
+
+
+def _refused_stream(exc: grpc.RpcError) -> bool:
+    """Whether the shard refused the call's stream before reading it (HTTP/2 error code 7,
+    REFUSED_STREAM), as gRPC reports it."""
+    details = exc.details() or ""
+    return (exc.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in details
+            and "error code 7" in details)
 
 
 class RemoteError(StratagemError):
@@ -165,7 +172,11 @@ class PSClient:
         # (what launcher-started shards hand their workers); blank is an error.
         token = ps_auth.resolve_token(token)
         self._metadata = ((wire.TOKEN_METADATA_KEY, token),) if token else None
-        options = wire.channel_options(max_message_bytes)
+        # A connection of its own: gRPC shares one connection between channels to the same
+        # address, so several clients in a process (worker threads, a benchmark) would pile
+        # their calls onto one connection, past the shard's streams-per-connection cap.
+        options = [*wire.channel_options(max_message_bytes),
+                   ("grpc.use_local_subchannel_pool", 1)]
         # Strategies build their client from the environment, like the token: a job whose
         # shards serve TLS exports the root certificate (and server name) to every worker.
         if tls_root_cert is None:
@@ -206,10 +217,24 @@ class PSClient:
             self.num_calls += calls
 
     def _call(self, shard: int, data: bytes, due: float) -> bytes:
-        """One blocking call, on a call thread; its deadline counts from ``submit``."""
-        timeout = max(0.001, due - time.monotonic())
-        reply: bytes = self._stubs[shard](data, timeout=timeout, metadata=self._metadata)
-        return reply
+        """One blocking call, on a call thread; its deadline counts from ``submit``.
+
+        A stream the shard refused (more calls in flight on this connection than its
+        ``max_concurrent_streams``; gRPC's client does not wait for a free stream) is sent
+        again after a short pause, until the deadline: HTTP/2's REFUSED_STREAM means the shard
+        did nothing with it, so a push is never applied twice."""
+        pause = 0.002
+        while True:
+            timeout = max(0.001, due - time.monotonic())
+            try:
+                reply: bytes = self._stubs[shard](data, timeout=timeout,
+                                                  metadata=self._metadata)
+                return reply
+            except grpc.RpcError as exc:
+                if not _refused_stream(exc) or time.monotonic() + pause >= due:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
 
     def _receive(self, shard: int, op: str, fut: Any, timeout: float) -> Message:
         addr = self.addresses[shard]
@@ -225,11 +250,13 @@ class PSClient:
         except grpc.RpcError as exc:
             code = exc.code()
             if code in _UNAVAILABLE:
+                what = (f"did not answer {op!r} within {timeout:g} s"
+                        if code == grpc.StatusCode.DEADLINE_EXCEEDED else
+                        f"could not be reached for {op!r}")
                 raise ParameterServerUnavailable(
-                    f"parameter-server shard {addr} did not answer {op!r} within {timeout:g} s "
-                    f"({code.name}: {exc.details()}); check that the shard process is running "
-                    "and reachable (STRATAGEM_PS_ADDRS), or raise timeout=", address=addr
-                ) from None
+                    f"parameter-server shard {addr} {what} ({code.name}: {exc.details()}); "
+                    "check that the shard process is running and reachable "
+                    "(STRATAGEM_PS_ADDRS), or raise timeout=", address=addr) from None
             raise RemoteError(f"parameter-server shard {addr} refused {op!r}: {code.name}: "
                               f"{exc.details()}", code=code.name, address=addr) from None
         self._account(0, len(data), 0.0)
