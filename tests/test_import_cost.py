@@ -1,10 +1,13 @@
 """Start-up cost: importing stratagem must not import ``torch.distributed.tensor``.
 
-That module (DTensor, with sympy behind it) costs ~0.9 s per process, paid by every worker,
-parameter-server shard, CLI call and test subprocess, while only ``sg.Sharded`` (FSDP2)
-ever makes a DTensor. The library asks :func:`stratagem.parts.tensors.dtensor_class`
-instead, which answers from ``sys.modules``; these tests keep an eager import from coming
-back silently, and check that a DTensor made after stratagem was imported is still seen.
+That module (DTensor, with sympy behind it) costs ~0.9 s per process, while only
+``sg.Sharded`` (FSDP2) ever makes a DTensor. The library asks
+:func:`stratagem.parts.tensors.dtensor_class` instead, which answers from ``sys.modules``;
+these tests keep an eager import from coming back silently, and check that a DTensor made
+after stratagem was imported is still seen. (A process that builds a torch optimizer still
+imports it, from torch itself: ``Optimizer.add_param_group`` imports ``torch._dynamo``,
+which imports FSDP. What is saved is the start-up of the processes that build none: CLI
+calls, the ``stratagem run`` supervisor.)
 """
 
 from __future__ import annotations

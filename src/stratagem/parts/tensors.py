@@ -28,8 +28,10 @@ def dtensor_class() -> type[DTensor] | None:
     (and then no tensor can be a DTensor), without importing it.
 
     Why not import it: ``torch.distributed.tensor`` costs ~0.9 s of start-up (sympy and
-    DTensor's op tables), paid by every worker, shard, CLI call and test subprocess, while
-    only ``sg.Sharded`` (FSDP2, which imports it) ever makes a DTensor."""
+    DTensor's op tables), and only ``sg.Sharded`` (FSDP2, which imports it) ever makes a
+    DTensor. Processes that build no torch optimizer (CLI calls, the ``stratagem run``
+    supervisor) now skip it; one that does still pays it there, from torch itself (torch
+    2.13's ``Optimizer.add_param_group`` imports ``torch._dynamo``, which imports FSDP)."""
     global _dtensor
     if _dtensor is None:
         for name in _DTENSOR_MODULES:
