@@ -37,13 +37,16 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import Comm
 from ..errors import CheckpointError
+from ..parts.tensors import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["is_sharded", "gather_full", "localize", "shard_index", "shard_files", "merge",
            "save_entry", "load_entry", "commit_with_shards"]
@@ -69,7 +72,7 @@ def is_sharded(obj: Any) -> bool:
 
     def see(t: torch.Tensor, _path: _Path) -> torch.Tensor:
         nonlocal found
-        found = found or isinstance(t, DTensor)
+        found = found or is_dtensor(t)
         return t
 
     _walk(obj, see, [])
@@ -88,7 +91,7 @@ def gather_full(obj: Any) -> Any:
     seen: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def full(t: torch.Tensor, _path: _Path) -> torch.Tensor:
-        if not isinstance(t, DTensor):
+        if not is_dtensor(t):
             return t
         key = _storage_key(t.to_local())
         if key not in seen:
@@ -108,7 +111,10 @@ def localize(obj: Any, rank: int) -> tuple[Any, list[dict[str, Any]], dict[str, 
     first: dict[tuple[Any, ...], str] = {}
 
     def local(t: torch.Tensor, path: _Path) -> Any:
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
+            # Imported here: a DTensor exists, so its module is loaded already (free).
+            from torch.distributed.tensor import Shard
+
             if tuple(t.placements) != (Shard(0),):
                 raise CheckpointError(f"cannot write a sharded checkpoint of {path}: placements "
                                       f"{t.placements}, only a 1-D mesh with Shard(0) is supported")

@@ -3,36 +3,66 @@ by dtype, averages, and per-rank gathers for checkpoints."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
 from ..comm import Comm, flatten, views
 
-try:  # torch >= 2.5
+if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch 2.4
-    from torch.distributed._tensor import DTensor
 
 __all__ = ["synced_tensors", "dtype_groups", "average_", "mean_copy", "gather_ranks",
-           "load_rank", "local", "like"]
+           "load_rank", "local", "like", "dtensor_class", "is_dtensor"]
+
+#: Where torch defines ``DTensor`` (``_tensor``: torch 2.4; later a re-export of ``tensor``).
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+_dtensor: type[DTensor] | None = None
+
+
+def dtensor_class() -> type[DTensor] | None:
+    """torch's ``DTensor`` class if its module has been imported in this process, else None
+    (and then no tensor can be a DTensor), without importing it.
+
+    Why not import it: ``torch.distributed.tensor`` costs ~0.9 s of start-up (sympy and
+    DTensor's op tables), and only ``sg.Sharded`` (FSDP2, which imports it) ever makes a
+    DTensor. Processes that build no torch optimizer (CLI calls, the ``stratagem run``
+    supervisor) now skip it; one that does still pays it there, from torch itself (torch
+    2.13's ``Optimizer.add_param_group`` imports ``torch._dynamo``, which imports FSDP)."""
+    global _dtensor
+    if _dtensor is None:
+        for name in _DTENSOR_MODULES:
+            cls = getattr(sys.modules.get(name), "DTensor", None)
+            if isinstance(cls, type):
+                _dtensor = cls
+                break
+    return _dtensor
+
+
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a DTensor (a sharded tensor of FSDP2), without importing DTensor."""
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of ``t``: the local shard of a DTensor (a sharded parameter of
     FSDP2; writing into it writes the parameter), else ``t`` itself. Parts synchronise local
     shards with the peers holding the same shard."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (a local shard) as a tensor of ``reference``'s kind: a DTensor on the same
     mesh and placements when ``reference`` is one, else ``value``."""
-    if not isinstance(reference, DTensor):
+    cls = dtensor_class()
+    if cls is None or not isinstance(reference, cls):
         return value
-    return DTensor.from_local(value, reference.device_mesh, reference.placements,
-                              run_check=False, shape=reference.shape, stride=reference.stride())
+    return cls.from_local(value, reference.device_mesh, reference.placements,
+                          run_check=False, shape=reference.shape, stride=reference.stride())
 
 
 def synced_tensors(module: nn.Module, buffers: bool) -> tuple[list[str], list[torch.Tensor],

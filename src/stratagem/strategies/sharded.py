@@ -33,17 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
-from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import Comm
 from ..parts import Part
+from ..parts.tensors import is_dtensor
+
+# torch.distributed.fsdp and torch.distributed.tensor are imported in the functions that use
+# them: importing them costs ~0.9 s (see parts.tensors.dtensor_class), and this module is
+# also imported for its helpers (row_range, release_host_memory) without any sharding.
 from ..precision import Precision
 from ..strategy import Prepared, Strategy
 
@@ -233,6 +230,8 @@ class FSDPSharding(Part):
     def wrap_model(self, model: nn.Module, module: nn.Module) -> nn.Module:
         """Shard ``module`` (the bare user module) in place; ``model`` (what the user calls,
         e.g. a ``torch.compile`` wrapper around it) is returned as it is."""
+        from torch.distributed.fsdp import FSDPModule
+
         if isinstance(module, FSDPModule):
             raise ValueError(f"the {type(module).__name__} given to prepare is already sharded "
                              "by fully_shard. Fix: pass the plain module; Sharded applies "
@@ -275,7 +274,7 @@ class FSDPSharding(Part):
         seen: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, value in state.items():
-            if isinstance(value, DTensor):
+            if is_dtensor(value):
                 key = id(value)
                 if key not in seen:
                     seen[key] = value.full_tensor()
@@ -300,6 +299,8 @@ class FSDPSharding(Part):
     def set_grad_sync(self, prepared: Prepared, enabled: bool) -> None:
         """Whether the next backward reduce-scatters (accumulation: not before the last
         micro-batch; the unsharded gradients accumulate locally meanwhile)."""
+        from torch.distributed.fsdp import FSDPModule
+
         if isinstance(prepared.module, FSDPModule):
             prepared.module.set_requires_gradient_sync(enabled)
         state = self._sync_states.get(id(prepared.module))
@@ -360,6 +361,13 @@ class FSDPSharding(Part):
         process shards nothing (there is nobody to share the state with)."""
         if self.comm.world_size == 1:
             return []
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
         if self.release_host_memory and self.device.type == "cpu" and not self.cpu_offload:
             release_host_memory()
         offload: OffloadPolicy = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
@@ -386,7 +394,7 @@ class FSDPSharding(Part):
         local: list[torch.Tensor] = []
         replicated: list[torch.Tensor] = []
         for g in grads:
-            if isinstance(g, DTensor):
+            if is_dtensor(g):
                 local.append(g.to_local())
             else:
                 replicated.append(g)
@@ -408,7 +416,7 @@ class FSDPSharding(Part):
 
     def full(self, value: torch.Tensor) -> torch.Tensor:
         """The full tensor behind a shard (an all-gather: a collective), else ``value``."""
-        return value.full_tensor() if isinstance(value, DTensor) else value
+        return value.full_tensor() if is_dtensor(value) else value
 
     def load_full(self, target: torch.Tensor, full: torch.Tensor) -> None:
         """Copy this replica's rows of ``full`` into ``target`` (a shard or a plain tensor)."""
@@ -418,8 +426,10 @@ class FSDPSharding(Part):
     def like(self, reference: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """``full`` sharded like ``reference`` (a DTensor): this replica's rows as a DTensor
         on the same mesh; ``full`` itself when ``reference`` is not sharded."""
-        if not isinstance(reference, DTensor) or tuple(full.shape) != tuple(reference.shape):
+        if not is_dtensor(reference) or tuple(full.shape) != tuple(reference.shape):
             return full
+        from torch.distributed.tensor import DTensor, Shard
+
         start, stop = row_range(full.shape[0], self.comm.world_size, self.comm.rank)
         rows = full[start:stop].to(reference.to_local().device).clone()
         return DTensor.from_local(rows, reference.device_mesh, [Shard(0)], run_check=False,
@@ -541,7 +551,7 @@ class Sharded(Strategy):
                 sharded[key] = entry
                 continue
             sharded[key] = {k: (self.sharding.like(param, v) if isinstance(v, torch.Tensor)
-                                and not isinstance(v, DTensor) and v.dim() > 0 else v)
+                                and not is_dtensor(v) and v.dim() > 0 else v)
                             for k, v in entry.items()}
         opt.load_state_dict({**state, "state": sharded})
 
@@ -568,7 +578,7 @@ class _LocalPrecision(Precision):
 
     def unscale_and_check(self, grads: Iterable[torch.Tensor]) -> bool:
         return super().unscale_and_check(
-            [g.to_local() if isinstance(g, DTensor) else g for g in grads])
+            [g.to_local() if is_dtensor(g) else g for g in grads])
 
 
 def materialize_shards(module: nn.Module, template: nn.Module, device: torch.device,
@@ -586,6 +596,8 @@ def materialize_shards(module: nn.Module, template: nn.Module, device: torch.dev
     whatever the number of workers. Custom initialisation done in a constructor is not
     replayed (it ran on meta tensors): tensors no ``reset_parameters`` sets are refused by
     name. Raises ``ValueError``."""
+    from torch.distributed.fsdp import FSDPModule
+
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         module.to_empty(device=device)  # FSDP2 re-creates its shards; ties stay one parameter
     else:  # one process, nothing sharded: Module.to_empty would give each tie its own tensor
@@ -645,7 +657,7 @@ def _post_order(root: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]
 
 def _copy_rows(target: torch.Tensor, full: torch.Tensor, world_size: int, rank: int) -> None:
     """This replica's rows of ``full`` into ``target`` (a dim-0 shard), or all of it."""
-    if isinstance(target, DTensor):
+    if is_dtensor(target):
         local = target.to_local()
         start, stop = row_range(full.shape[0], world_size, rank)
         assert local.shape[0] == stop - start, (local.shape, start, stop)
