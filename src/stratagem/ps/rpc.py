@@ -9,7 +9,8 @@ the TCP endpoint how many bytes the frame it is reading still needs, and ``tcp_r
 
 Measured (4 workers on 100 Mbit/s links pushing and fetching a 1 MB MLP to one shard): the shard's
 CPU per worker step fell by about a fifth to a third and the workers' by a sixth to a half; see
-``docs/status.md`` for the figures and command. Loopback is unaffected (data arrives in bulk).
+``docs/status.md`` for the figures and command. On loopback a message arrives in bulk, so
+there is little to gain (not measured side by side).
 
 gRPC reads ``GRPC_EXPERIMENTS`` once, when it is first imported, so this module sets it only
 around that import and removes it again: the process environment is unchanged afterwards and

@@ -31,6 +31,9 @@ Request = tuple[int, str, "Mapping[str, Any] | None", Sequence[Entry]]
 
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED)
+#: The fix every "shard unavailable" error ends with.
+_REACH_HINT = ("check that the shard process is running and reachable (STRATAGEM_PS_ADDRS), "
+               "or raise timeout=")
 
 
 def _refused_stream(exc: grpc.RpcError) -> bool:
@@ -255,8 +258,7 @@ class PSClient:
                         f"could not be reached for {op!r}")
                 raise ParameterServerUnavailable(
                     f"parameter-server shard {addr} {what} ({code.name}: {exc.details()}); "
-                    "check that the shard process is running and reachable "
-                    "(STRATAGEM_PS_ADDRS), or raise timeout=", address=addr) from None
+                    f"{_REACH_HINT}", address=addr) from None
             raise RemoteError(f"parameter-server shard {addr} refused {op!r}: {code.name}: "
                               f"{exc.details()}", code=code.name, address=addr) from None
         self._account(0, len(data), 0.0)
@@ -314,9 +316,7 @@ class PSClient:
                     raise ParameterServerUnavailable(
                         f"parameter-server shard {exc.address} did not answer within "
                         f"{timeout:g} s of waiting for the shards to start (last attempt: "
-                        f"{exc}); check that the shard process is running and reachable "
-                        "(STRATAGEM_PS_ADDRS), or raise timeout=", address=exc.address
-                    ) from None
+                        f"{exc}); {_REACH_HINT}", address=exc.address) from None
                 time.sleep(min(0.1, max(0.0, remaining)))
 
     def shutdown(self, shards: Sequence[int] | None = None) -> None:

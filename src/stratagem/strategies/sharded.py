@@ -34,13 +34,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm import Comm
-from ..parts import Part
-from ..parts.tensors import is_dtensor
-
 # torch.distributed.fsdp and torch.distributed.tensor are imported in the functions that use
 # them: importing them costs ~0.9 s (see parts.tensors.dtensor_class), and this module is
 # also imported for its helpers (row_range, release_host_memory) without any sharding.
+from ..comm import Comm
+from ..parts import Part
+from ..parts.tensors import is_dtensor
 from ..precision import Precision
 from ..strategy import Prepared, Strategy
 
