@@ -496,6 +496,14 @@ def summarize(runs: list[dict[str, Any]], strategies: list[str], links: list[str
     return rows
 
 
+def _per_seed(row: dict[str, Any]) -> str:
+    """Each seed's wall time over Mirrored's with the same seed, in seed order ("-": either
+    did not reach the target)."""
+    ratios = row.get("per_seed_ratio") or {}
+    return ", ".join("-" if ratios[s] is None else f"{ratios[s]:.2f}"
+                     for s in sorted(ratios, key=int)) or "n/a"
+
+
 def _fmt(x: float, spec: str) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
@@ -517,7 +525,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "ones are watched by a separate evaluator, see the notes). Medians over seeds 0..N-1 "
         f"with N per link {meta.get('seeds_per_link', len(meta['seeds']))} (an unreached "
         "target counts as infinite). Ratio = median wall / Mirrored's median wall on the "
-        "same link. Final accuracy = at the end of the run (runs stop at the target, else "
+        "same link; per seed = each seed's wall / Mirrored's with the same seed. Final accuracy = at the end of the run (runs stop at the target, else "
         "after the last epoch). Bytes/step = worker 0's bytes sent + "
         "received per step as counted by the strategy. Compute / sync ms/step = worker 0's "
         "mean forward+backward time / `optimizer.step()` time (the synchronisation: for PS "
@@ -534,19 +542,19 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` ({meta['total_minutes']:.1f} min)",
         "",
         "| strategy | link | reached | median steps to 93% | median wall s to 93% | "
-        "wall vs Mirrored | final accuracy | bytes/step | compute ms/step | sync ms/step | "
-        "mean staleness |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "wall vs Mirrored | per seed | final accuracy | bytes/step | compute ms/step | "
+        "sync ms/step | mean staleness |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "missing" in r:
-            lines.append(f"| {r['strategy']} | {r['link']} |" + " n/a |" * 9)
+            lines.append(f"| {r['strategy']} | {r['link']} |" + " n/a |" * 10)
             continue
         failed = f" ({len(r['errors'])} failed)" if r["errors"] else ""
         lines.append(
             f"| {r['strategy']} | {r['link']} | {r['reached']}/{r['runs']}{failed} | "
             f"{_fmt(r['median_steps'], '.0f')} | {_fmt(r['median_wall'], '.1f')} | "
-            f"{_fmt(r['ratio'], '.2f')} | {_fmt(r['final_accuracy'], '.3f')} | "
+            f"{_fmt(r['ratio'], '.2f')} | {_per_seed(r)} | {_fmt(r['final_accuracy'], '.3f')} | "
             f"{_fmt(r['bytes_per_step'], ',.0f')} | "
             f"{_fmt(r.get('compute_ms_per_step', math.nan), '.1f')} | "
             f"{_fmt(r.get('sync_ms_per_step', math.nan), '.1f')} | "
