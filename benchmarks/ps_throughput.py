@@ -115,12 +115,15 @@ async def _raw_aio_server(port_file: str, blob: bytes, max_bytes: int) -> None:
     async def put(req: bytes, ctx: Any) -> bytes:
         return b""
 
+    await serve_aio(port_file, max_bytes, {"Exchange": exchange, "Put": put, "Get": exchange})
+
+
+async def serve_aio(port_file: str, max_bytes: int, handlers: dict[str, Any]) -> None:
+    """Serve the coroutine ``handlers`` on a ``grpc.aio`` server until SIGTERM; the port goes
+    to ``port_file``."""
     server = grpc.aio.server(options=wire.channel_options(max_bytes))
-    handlers = {"Exchange": grpc.unary_unary_rpc_method_handler(exchange),
-                "Put": grpc.unary_unary_rpc_method_handler(put),
-                "Get": grpc.unary_unary_rpc_method_handler(exchange)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE,
-                                                                         handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        RAW_SERVICE, {k: grpc.unary_unary_rpc_method_handler(h) for k, h in handlers.items()}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     Path(port_file).write_text(str(port))
@@ -130,23 +133,34 @@ async def _raw_aio_server(port_file: str, blob: bytes, max_bytes: int) -> None:
     await server.stop(0)
 
 
-def minimal_server_main(port_file: str, nbytes: int, max_bytes: int) -> None:
+def minimal_server_main(port_file: str, nbytes: int, max_bytes: int, use_aio: bool) -> None:
     """The least a Python gRPC parameter server can do per step, for the "minimal PS" column:
     view the request as the gradient (no framing, no checks), one SGD step into the shard's
-    parameters, and a copy of them into the reply (gRPC sends only ``bytes``)."""
+    parameters, and a copy of them into the reply (gRPC sends only ``bytes``). On a thread-pool
+    server (under a lock) or on ``grpc.aio`` (on the event loop, no hop): like the raw
+    baseline, the column takes the faster of the two."""
     wire.tune_malloc()
     torch.set_num_threads(1)
     param = torch.randn(nbytes // 4)
     lock = threading.Lock()
 
-    def exchange(req: bytes, ctx: Any) -> bytes:
-        grad = torch.frombuffer(req, dtype=torch.float32)
+    def step(req: bytes) -> bytes:
+        param.add_(torch.frombuffer(req, dtype=torch.float32), alpha=-1e-3)
+        return param.numpy().tobytes()
+
+    if use_aio:
+        async def exchange(req: bytes, ctx: Any) -> bytes:
+            return step(req)
+
+        asyncio.run(serve_aio(port_file, max_bytes, {"Exchange": exchange}))
+        return
+
+    def locked(req: bytes, ctx: Any) -> bytes:
         with lock:
-            param.add_(grad, alpha=-1e-3)
-            return param.numpy().tobytes()
+            return step(req)
 
     serve_thread_pool(port_file, max_bytes,
-                      {"Exchange": grpc.unary_unary_rpc_method_handler(exchange)})
+                      {"Exchange": grpc.unary_unary_rpc_method_handler(locked)})
 
 
 def spawn(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -323,7 +337,7 @@ def main() -> None:
         raw_server_main(args.port_file, args.nbytes, max_bytes, args.aio)
         return
     if args.minimal_server:
-        minimal_server_main(args.port_file, args.nbytes, max_bytes)
+        minimal_server_main(args.port_file, args.nbytes, max_bytes, args.aio)
         return
     torch.set_num_threads(1)
     load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -339,7 +353,8 @@ def main() -> None:
             procs: list[subprocess.Popen[bytes]] = []
             try:
                 addrs: dict[str, list[str]] = {"ours": [], "ours_buckets": [], "raw": [],
-                                               "raw_aio": [], "minimal": [], "before": []}
+                                               "raw_aio": [], "minimal": [], "minimal_aio": [],
+                                               "before": []}
                 for n in shard_bytes:
                     for side, cmd, src in (
                             ("ours", ["-m", "stratagem.ps.server"], None),
@@ -348,6 +363,8 @@ def main() -> None:
                             ("raw_aio", [__file__, "--raw-server", "--aio", "--nbytes", str(n)],
                              None),
                             ("minimal", [__file__, "--minimal-server", "--nbytes", str(n)], None),
+                            ("minimal_aio", [__file__, "--minimal-server", "--aio", "--nbytes",
+                                             str(n)], None),
                             ("before", ["-m", "stratagem.ps.server"], args.before_src)):
                         if side == "before" and not args.before_src:
                             continue
@@ -361,7 +378,9 @@ def main() -> None:
                     "raw": raw_step_factory(addrs["raw"], shard_bytes, max_bytes),
                     "raw_aio": raw_step_factory(addrs["raw_aio"], shard_bytes, max_bytes),
                     "minimal": minimal_step_factory(addrs["minimal"], params, shard_bytes,
-                                                    max_bytes)}
+                                                    max_bytes),
+                    "minimal_aio": minimal_step_factory(addrs["minimal_aio"], params,
+                                                        shard_bytes, max_bytes)}
                 if args.before_src:
                     sides["before"] = ours_step_factory(addrs["before"], params,
                                                         two_calls=args.before_two_calls)
@@ -376,6 +395,7 @@ def main() -> None:
             mean = {k: sum(v) / len(v) for k, v in got.items()}
             # The baseline is the faster raw server (thread pool or asyncio) of this cell.
             raw = max(mean["raw"], mean["raw_aio"])
+            minimal = max(mean["minimal"], mean["minimal_aio"])  # likewise
             row = {"shards": num_shards, "workers": num_workers,
                    "ours_MBps": round(mean["ours"], 1),
                    "raw_sync_MBps": round(mean["raw"], 1),
@@ -383,9 +403,12 @@ def main() -> None:
                    "raw_grpc_MBps": round(raw, 1), "ratio": round(mean["ours"] / raw, 3),
                    "ours_buckets_MBps": round(mean["ours_buckets"], 1),
                    "ours_buckets_ratio": round(mean["ours_buckets"] / raw, 3),
-                   "minimal_MBps": round(mean["minimal"], 1),
-                   "minimal_over_raw": round(mean["minimal"] / raw, 3),
-                   "ours_over_minimal": round(mean["ours"] / mean["minimal"], 3),
+                   "minimal_sync_MBps": round(mean["minimal"], 1),
+                   "minimal_aio_MBps": round(mean["minimal_aio"], 1),
+                   "minimal_MBps": round(minimal, 1),
+                   "minimal_over_raw": round(minimal / raw, 3),
+                   "minimal_aio_over_raw_aio": round(mean["minimal_aio"] / mean["raw_aio"], 3),
+                   "ours_over_minimal": round(mean["ours"] / minimal, 3),
                    "local_copy_MBps": round(local, 1),
                    "rounds_MBps": {k: [round(x, 1) for x in v] for k, v in got.items()}}
             if "before" in mean:
@@ -411,12 +434,14 @@ def main() -> None:
              ("ours, buckets MB/s", lambda r: str(r["ours_buckets_MBps"])),
              ("raw sync MB/s", lambda r: str(r["raw_sync_MBps"])),
              ("raw aio MB/s", lambda r: str(r["raw_aio_MBps"])),
-             ("minimal PS MB/s", lambda r: str(r["minimal_MBps"]))]
+             ("minimal PS sync MB/s", lambda r: str(r["minimal_sync_MBps"])),
+             ("minimal PS aio MB/s", lambda r: str(r["minimal_aio_MBps"]))]
     if args.before_src:
         cols.append(("before / raw", lambda r: f"{r['before_ratio']:.2f}"))
     cols += [("**ours / raw**", lambda r: f"**{r['ratio']:.2f}**"),
              ("ours, buckets / raw", lambda r: f"{r['ours_buckets_ratio']:.2f}"),
              ("minimal / raw", lambda r: f"{r['minimal_over_raw']:.2f}"),
+             ("minimal aio / raw aio", lambda r: f"{r['minimal_aio_over_raw_aio']:.2f}"),
              ("ours / minimal", lambda r: f"{r['ours_over_minimal']:.2f}"),
              ("local copy MB/s", lambda r: str(r["local_copy_MBps"]))]
     lines += ["| " + " | ".join(c for c, _ in cols) + " |",
@@ -433,8 +458,10 @@ def main() -> None:
               "size). \"minimal PS\" is the least a Python gRPC parameter server does "
               "per step: the client copies the gradient tensors into the request `bytes`, the "
               "shard views them (no framing, header or checks), applies one SGD step and copies "
-              "the parameters into the reply; ours / minimal is what framing, validation, the "
-              "non-finite check and the optimizer's generality cost on top of that."]
+              "the parameters into the reply, on a thread-pool server and on `grpc.aio` (minimal "
+              "/ raw and ours / minimal use the faster of the two); ours / minimal is what "
+              "framing, validation, the non-finite check and the optimizer's generality cost on "
+              "top of that."]
     if args.before_src:
         lines += ["", f"\"before\": the shard processes of `{args.before_src}`, driven by this "
                   f"checkout's client with `{meta['before_step']}` per step."]
