@@ -82,20 +82,23 @@ def raw_server_main(port_file: str, nbytes: int, max_bytes: int, use_aio: bool) 
     if use_aio:
         asyncio.run(_raw_aio_server(port_file, blob, max_bytes))
         return
-    serve_thread_pool(port_file, max_bytes, {
-        "Exchange": grpc.unary_unary_rpc_method_handler(lambda req, ctx: blob),
-        "Put": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b""),
-        "Get": grpc.unary_unary_rpc_method_handler(lambda req, ctx: blob),
-    })
+    serve_thread_pool(port_file, max_bytes, {"Exchange": lambda req, ctx: blob,
+                                             "Put": lambda req, ctx: b"",
+                                             "Get": lambda req, ctx: blob})
+
+
+def _service(handlers: dict[str, Any]) -> Any:
+    """The benchmark service with ``handlers`` (method name -> unary function or coroutine)."""
+    return grpc.method_handlers_generic_handler(
+        RAW_SERVICE, {k: grpc.unary_unary_rpc_method_handler(h) for k, h in handlers.items()})
 
 
 def serve_thread_pool(port_file: str, max_bytes: int, handlers: dict[str, Any]) -> None:
-    """Serve ``handlers`` on a thread-pool ``grpc.server`` until SIGTERM; the port goes to
-    ``port_file``."""
+    """Serve the functions ``handlers`` on a thread-pool ``grpc.server`` until SIGTERM; the
+    port goes to ``port_file``."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                          options=wire.channel_options(max_bytes))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE,
-                                                                         handlers),))
+    server.add_generic_rpc_handlers((_service(handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     Path(port_file).write_text(str(port))
@@ -122,8 +125,7 @@ async def serve_aio(port_file: str, max_bytes: int, handlers: dict[str, Any]) ->
     """Serve the coroutine ``handlers`` on a ``grpc.aio`` server until SIGTERM; the port goes
     to ``port_file``."""
     server = grpc.aio.server(options=wire.channel_options(max_bytes))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        RAW_SERVICE, {k: grpc.unary_unary_rpc_method_handler(h) for k, h in handlers.items()}),))
+    server.add_generic_rpc_handlers((_service(handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     Path(port_file).write_text(str(port))
@@ -159,8 +161,7 @@ def minimal_server_main(port_file: str, nbytes: int, max_bytes: int, use_aio: bo
         with lock:
             return step(req)
 
-    serve_thread_pool(port_file, max_bytes,
-                      {"Exchange": grpc.unary_unary_rpc_method_handler(locked)})
+    serve_thread_pool(port_file, max_bytes, {"Exchange": locked})
 
 
 def spawn(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[bytes], str]:

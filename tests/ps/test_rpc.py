@@ -51,8 +51,7 @@ def test_grpc_sees_the_experiments_and_the_environment_is_restored() -> None:
 
 
 def test_the_installed_grpcio_is_tuned_when_its_release_was_tested() -> None:
-    release = rpc.grpcio_release()
-    tested = release is not None and rpc.TESTED_GRPCIO[0] <= release <= rpc.TESTED_GRPCIO[1]
+    tested = rpc.is_tested_release(rpc.grpcio_release())
     expected = [rpc.EXPERIMENTS] if tested else [None]
     assert _probe("stratagem.ps.transport") == {
         "at_import": expected, "after": None, "tuned": tested}

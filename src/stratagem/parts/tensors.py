@@ -58,11 +58,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (a local shard) as a tensor of ``reference``'s kind: a DTensor on the same
     mesh and placements when ``reference`` is one, else ``value``."""
-    cls = dtensor_class()
-    if cls is None or not isinstance(reference, cls):
+    if not is_dtensor(reference):
         return value
-    return cls.from_local(value, reference.device_mesh, reference.placements,
-                          run_check=False, shape=reference.shape, stride=reference.stride())
+    return type(reference).from_local(value, reference.device_mesh, reference.placements,
+                                      run_check=False, shape=reference.shape,
+                                      stride=reference.stride())
 
 
 def synced_tensors(module: nn.Module, buffers: bool) -> tuple[list[str], list[torch.Tensor],

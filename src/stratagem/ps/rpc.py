@@ -52,12 +52,13 @@ def grpcio_release(version: str | None = None) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _known_release(release: tuple[int, int] | None) -> bool:
+def is_tested_release(release: tuple[int, int] | None) -> bool:
+    """Whether ``release`` (from :func:`grpcio_release`) is in ``TESTED_GRPCIO``."""
     return release is not None and TESTED_GRPCIO[0] <= release <= TESTED_GRPCIO[1]
 
 
 _TUNE = ("grpc" not in sys.modules and "GRPC_EXPERIMENTS" not in os.environ
-         and _known_release(grpcio_release()))
+         and is_tested_release(grpcio_release()))
 if _TUNE:
     os.environ["GRPC_EXPERIMENTS"] = EXPERIMENTS
 try:
@@ -71,4 +72,4 @@ finally:
 #: set ``GRPC_EXPERIMENTS``, or the installed grpcio is outside ``TESTED_GRPCIO``).
 TUNED = _TUNE
 
-__all__ = ["EXPERIMENTS", "TESTED_GRPCIO", "TUNED", "grpc", "grpcio_release"]
+__all__ = ["EXPERIMENTS", "TESTED_GRPCIO", "TUNED", "grpc", "grpcio_release", "is_tested_release"]
