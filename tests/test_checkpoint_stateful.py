@@ -62,7 +62,7 @@ def _same(a: Any, b: Any, where: str = "") -> None:
         f"{where}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8)), where
+        assert a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)), where
     elif isinstance(a, dict):
         assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
         for k in a:
