@@ -48,13 +48,19 @@ def _torchft_state() -> dict[str, Any]:
     ints, floats, strings, under "user", and the manager's own counters under "torchft"."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LayerNorm(4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(3, 5)).sum().backward()
-    opt.step()
+    # AdamW's state_dict() after one step, written out (a real step would import
+    # torch._dynamo, ~10 s on this machine, for the same dict).
+    optim = {"state": {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p),
+                           "exp_avg_sq": torch.rand_like(p)}
+                       for i, p in enumerate(model.parameters())},
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+                               "weight_decay": 0.01, "amsgrad": False, "maximize": False,
+                               "foreach": None, "capturable": False, "differentiable": False,
+                               "fused": None, "params": [0, 1, 2, 3]}]}
     return {
         "user": {
             "model": model.state_dict(),
-            "optim": opt.state_dict(),
+            "optim": optim,
             "extra": {"bf16": torch.randn(3).bfloat16(), "ids": torch.arange(4),
                       "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 3),
                       "loss": 0.1 + 0.2, "inf": math.inf, "name": "run-1", "shape": (2, 3),
@@ -256,7 +262,8 @@ def _signed(token: bytes, tensors: bytes, text: bytes, *, step: int = 1,
                            hashlib.sha256(tensors).digest(), hashlib.sha256(text).digest())
         mac = hmac.new(token, b"server\0" + client_nonce + nonce + head, hashlib.sha256).digest()
         conn.sendall(head + mac + tensors + text)
-        time.sleep(0.5)
+        conn.settimeout(5)
+        conn.recv(1)  # until the client closes
 
     return behave
 
@@ -328,8 +335,9 @@ def test_oversized_declaration_is_refused_before_allocation(signed: bool) -> Non
 
 # ---------------------------------------------------------------------- timeouts
 def test_a_silent_or_trickling_server_times_out_within_the_timeout() -> None:
-    def silent(conn: socket.socket) -> None:
-        time.sleep(3)
+    def silent(conn: socket.socket) -> None:  # accepts, then says nothing until closed
+        conn.settimeout(5)
+        conn.recv(1)
 
     def trickle(conn: socket.socket) -> None:  # one byte per 0.2 s: each recv succeeds
         for b in MAGIC + b"\0" * 32:
@@ -371,3 +379,79 @@ def test_a_client_that_never_authenticates_is_dropped_and_others_are_served() ->
     # shutdown closed the server and joined its thread.
     assert not server._thread.is_alive()  # noqa: SLF001 - the join is the behaviour tested
     assert ft_transport.MAX_CONNECTIONS >= 2
+
+
+# ---------------------------------------------------------------------- in torchft's Manager
+class _Counting(SafeHealTransport):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.sent = self.received = 0
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict[str, Any],
+                        timeout: timedelta) -> None:
+        self.sent += 1
+        super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+                        timeout: timedelta) -> dict[str, Any]:
+        out = super().recv_checkpoint(src_rank, metadata, step, timeout)
+        self.received += 1
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_torchft_manager_heals_through_it() -> None:
+    """Two replica groups (threads) with different initial weights: torchft's init_sync heals
+    one from the other at step 0 through SafeHealTransport, and they end bitwise equal."""
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+    from torchft.ddp import DistributedDataParallel
+    from torchft.manager import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+
+    def replica(rid: int) -> tuple[dict[str, torch.Tensor], _Counting]:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        torch.manual_seed(rid)  # different weights: only a heal makes them equal
+        model = torch.nn.Linear(3, 4)
+        opt = torch.optim.Adam(model.parameters())
+
+        def load(state: dict[str, Any]) -> None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+
+        transport = _Counting(token=TOKEN, timeout=10.0, max_bytes=1 << 20)
+        manager = Manager(pg=ProcessGroupGloo(), min_replica_size=2, load_state_dict=load,
+                          state_dict=lambda: {"model": model.state_dict(),
+                                              "optim": opt.state_dict()},
+                          replica_id=str(rid), store_addr="127.0.0.1", store_port=store.port,
+                          rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
+                          hostname="127.0.0.1", timeout=timedelta(seconds=10),
+                          checkpoint_transport=transport)
+        try:
+            ddp, wrapped = DistributedDataParallel(manager, model), OptimizerWrapper(manager, opt)
+            gen = torch.Generator().manual_seed(rid)
+            while manager.current_step() < 3:
+                wrapped.zero_grad()
+                ddp(torch.rand(2, 3, generator=gen)).sum().backward()
+                wrapped.step()
+            return {k: v.clone() for k, v in model.state_dict().items()}, transport
+        finally:
+            manager.shutdown(wait=False)
+
+    try:
+        results: list[Any] = [None, None]
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, replica(r)))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50)
+    finally:
+        lighthouse.shutdown()
+    assert all(r is not None for r in results), "a replica failed (see the log)"
+    (a, ta), (b, tb) = results
+    _same(a, b)
+    assert ta.sent + tb.sent >= 1 and ta.received + tb.received == 1  # one heal, at step 0
