@@ -77,9 +77,10 @@ class _Encoder:
             raise self.refuse(path, f"is a {t.layout} {t.device.type} tensor"
                               f"{' (quantized)' if t.is_quantized else ''}; only dense tensors "
                               "with data are stored (call .to_dense() or materialize it)")
-        name = path or "_"
-        if name in self.tensors:  # "a/b" and a -> b print alike: keep the names unique
-            name = f"{name}#{len(self.tensors)}"
+        name, n = path or "_", 0
+        while name in self.tensors:  # two paths may print alike: keep the names unique
+            n += 1
+            name = f"{path or '_'}#{n}"
         stored = t.cpu().contiguous()
         if t.numel():
             storage = (t.device, t.untyped_storage().data_ptr())

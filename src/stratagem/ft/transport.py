@@ -167,6 +167,11 @@ def _split_address(metadata: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63:
+        raise TypeError(f"step must be an int in the int64 range, got {step!r:.40}")
+
+
 class _Payload:
     """One step's encoded state: encoded once, served to every joining replica as is."""
 
@@ -255,8 +260,7 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
         it for ``step`` until :meth:`disallow_checkpoint`. Refuses (``CheckpointError``) a
         state the codec cannot store, naming its key path, or one over ``max_bytes``."""
         del dst_ranks, timeout  # any authenticated replica may fetch; waits are per connection
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        _check_step(step)
         tensors, skeleton = encode(state_dict, what="the heal state")
         try:
             blob = st_save(tensors)
@@ -284,6 +288,7 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
                         timeout: timedelta) -> dict[str, Any]:
         """Fetch step ``step``'s state from the peer at ``metadata`` (``host:port``) within
         ``timeout``; see the class docstring for what is refused."""
+        _check_step(step)
         host, port = _split_address(metadata)
         if not is_loopback(host) and not self._allow_remote:
             raise CheckpointError(f"heal peer {metadata!r} (rank {src_rank}) is not on loopback "
@@ -309,6 +314,7 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
             self._payload = None
             self._cond.notify_all()
             conns = list(self._conns)
+            handlers = list(self._handlers)
         self._sock.close()
         for conn in conns:  # wakes handlers blocked in recv/send
             try:
@@ -317,7 +323,7 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
                 pass
         if wait:
             self._thread.join(self._timeout)
-            for t in list(self._handlers):
+            for t in handlers:
                 t.join(self._timeout)
 
     # ------------------------------------------------------------------ client side
