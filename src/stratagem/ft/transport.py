@@ -1,10 +1,10 @@
 """The heal transport of fault-tolerant training: a live replica's state to a joining one,
 with nothing unpickled.
 
-torchft (Manager + Lighthouse quorum; "torchft: fault tolerance for PyTorch", PyTorch 2025,
-after Google's Pathways-style live recovery) heals a replica that joins or fell behind by
-fetching the ``{"user": ..., "torchft": {"step", "batches_committed"}}`` state dict of a live
-peer through a ``CheckpointTransport``. Its own transports unpickle what they receive
+torchft (github.com/pytorch/torchft: a per-step quorum from its Lighthouse, reconfigurable
+process groups, live recovery) heals a replica that joins or fell behind by fetching the
+``{"user": ..., "torchft": {"step", "batches_committed"}}`` state dict of a live peer through
+a ``CheckpointTransport``. Its own transports unpickle what they receive
 (``HTTPTransport`` loads with ``torch.load(weights_only=False)``; ``PGTransport`` pickles its
 metadata): whoever reaches the port runs code in the trainer. :class:`SafeHealTransport` is a
 drop-in replacement, ``torchft.Manager(..., checkpoint_transport=SafeHealTransport(...))``:
@@ -15,7 +15,8 @@ drop-in replacement, ``torchft.Manager(..., checkpoint_transport=SafeHealTranspo
   The receiver checks the safetensors header against the blob's size
   (:func:`stratagem.checkpoint.format.check_header`) before ``safetensors.torch.load``, parses
   the JSON with no ``NaN`` tokens and bounded depth, and decodes only what ``encode`` writes.
-* **Authentication**, mutual, with the job's secret ``token`` (never sent): the server sends a
+* **Authentication** (HMAC, RFC 2104, as a challenge-response), mutual, with the job's secret
+  ``token`` (never sent): the server sends a
   random nonce; the client answers with its own nonce, the step and
   ``HMAC-SHA256(token, "client" | server nonce | client nonce | step)``; the server checks it
   in constant time before it sends anything else (a wrong token gets the connection closed),
