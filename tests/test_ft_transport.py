@@ -455,3 +455,25 @@ def test_torchft_manager_heals_through_it() -> None:
     (a, ta), (b, tb) = results
     _same(a, b)
     assert ta.sent + tb.sent >= 1 and ta.received + tb.received == 1  # one heal, at step 0
+
+
+def test_stratagem_imports_without_torchft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchft is optional: with it unimportable, stratagem.ft imports and only the transport
+    module needs it; no other stratagem module imports torchft. (In process: a fresh
+    interpreter took 46 s to import torch on this loaded machine.)"""
+    import importlib
+    import re
+    import sys
+
+    for name in [m for m in sys.modules if m == "torchft" or m.startswith("torchft.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # "not installed"
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    for name in ("stratagem.ft", "stratagem.ft.transport"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    importlib.import_module("stratagem.ft")
+    with pytest.raises(ImportError):
+        importlib.import_module("stratagem.ft.transport")
+    src = Path(sg.__file__).resolve().parent
+    users = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                   if re.search(r"^\s*(from|import) torchft", p.read_text(), re.M))
+    assert users == ["ft/transport.py"]
