@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm import Comm
 from ..data import DistributedLoader
 from ..errors import CheckpointError
 from ..strategy import Strategy, register_feature
@@ -169,13 +170,14 @@ _RESERVED_KEYS = frozenset({"strategy", "extra", "rng", "manifest"})
 
 
 def is_stateful(obj: Any) -> bool:
-    """Whether ``obj`` follows the ``state_dict()`` / ``load_state_dict()`` protocol (and is
-    not a class, a module, an optimizer or a loader, which have their own entries)."""
+    """Whether ``obj`` (not a class) follows the ``state_dict()`` / ``load_state_dict()``
+    protocol. Modules, optimizers and loaders follow it too: ``save`` and ``restore`` test
+    for them first, as they have entries of their own."""
     return (not isinstance(obj, type) and callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None)))
 
 
-def _save_stateful(comm: Any, key: str, obj: Any, files: dict[str, bytes]) -> dict[str, Any]:
+def _save_stateful(comm: Comm, key: str, obj: Any, files: dict[str, bytes]) -> dict[str, Any]:
     """Store ``obj.state_dict()`` once when every replica holds the same, else per rank; every
     rank takes part in the gathers even when its own state is refused, so a refusal on one
     replica is an error on all of them instead of a hang."""
