@@ -477,3 +477,28 @@ def test_stratagem_imports_without_torchft(monkeypatch: pytest.MonkeyPatch) -> N
     users = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
                    if re.search(r"^\s*(from|import) torchft", p.read_text(), re.M))
     assert users == ["ft/transport.py"]
+
+
+def test_a_valid_but_unaligned_blob_from_a_peer_is_read_correctly() -> None:
+    """The receiver builds tensors on the received buffer after the header check: a header
+    not padded to 8 bytes (legal safetensors) puts the data at an odd offset; the values are
+    still exact (copied into aligned tensors) and int keys and NaN tags decode."""
+    import json as _json
+
+    header = _json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                          "y": {"dtype": "I64", "shape": [0], "data_offsets": [8, 8]}}).encode()
+    assert (8 + len(header)) % 4  # unaligned for float32
+    values = torch.tensor([1.5, -2.25])
+    blob = len(header).to_bytes(8, "little") + header + values.numpy().tobytes()
+    skeleton = _json.dumps({"__dict__": [["user", {"__dict__": [[0, {"__tensor__": "x"}],
+                                                                 [1, {"__tensor__": "y"}],
+                                                                 [2, {"__float__": "nan"}]]}]]})
+    hostile = _Hostile(_signed(TOKEN, blob, skeleton.encode()))
+    client = _transport()
+    try:
+        got = client.recv_checkpoint(0, hostile.metadata, 1, T)
+    finally:
+        hostile.close()
+        client.shutdown()
+    assert got["user"][0].equal(values) and got["user"][1].shape == (0,)
+    assert math.isnan(got["user"][2])

@@ -171,7 +171,7 @@ def _header_limit(size: int) -> int:
     return min(MAX_HEADER_BYTES, room, max(_HEADER_BASE_BYTES, proportional))
 
 
-def check_header(data: bytes, what: str) -> dict[str, Any]:
+def check_header(data: bytes | bytearray, what: str) -> dict[str, Any]:
     """Validate the safetensors header of ``data`` (a whole file's bytes) without trusting it.
     Returns the parsed header; raises ``CheckpointError`` before anything proportional to
     what the header claims is allocated."""

@@ -13,7 +13,9 @@ drop-in replacement, ``torchft.Manager(..., checkpoint_transport=SafeHealTranspo
   :func:`stratagem.checkpoint.tree.encode` (the checkpoint codec): tensors as one safetensors
   blob, the rest as strict JSON (int keys and tuples recorded, non-finite floats tagged).
   The receiver checks the safetensors header against the blob's size
-  (:func:`stratagem.checkpoint.format.check_header`) before ``safetensors.torch.load``, parses
+  (:func:`stratagem.checkpoint.format.check_header`: dtypes, shapes, byte ranges, entry
+  count, as ``restore`` does before ``safetensors.torch.load``), then builds the tensors as
+  views of the received buffer (no copy: a heal is what a joining replica waits on), parses
   the JSON with no ``NaN`` tokens and bounded depth, and decodes only what ``encode`` writes.
 * **Authentication** (HMAC, RFC 2104, as a challenge-response), mutual, with the job's secret
   ``token`` (never sent): the server sends a
@@ -64,7 +66,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from safetensors.torch import load as st_load
+import torch
 from safetensors.torch import save as st_save
 from torchft.checkpointing.transport import CheckpointTransport
 
@@ -171,6 +173,38 @@ def _split_address(metadata: str) -> tuple[str, int]:
 def _check_step(step: Any) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or not -(1 << 63) <= step < 1 << 63:
         raise TypeError(f"step must be an int in the int64 range, got {step!r:.40}")
+
+
+#: torch dtypes of the safetensors dtype names ``check_header`` allows.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _tensors_from(buf: bytearray, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors blob in ``buf``, as views of ``buf`` (no copy: a heal
+    is the transfer torchft waits on). Every entry's dtype, shape and byte range were checked
+    against the blob by ``check_header`` first (the same check ``restore`` applies before
+    ``safetensors.torch.load``), so a view never reaches outside ``buf``; an entry not
+    aligned to its element size is copied into an aligned tensor."""
+    header = check_header(buf, what)
+    start = 8 + int.from_bytes(buf[:8], "little")
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES[entry["dtype"]]
+        shape = [int(d) for d in entry["shape"]]
+        begin, end = entry["data_offsets"]
+        if begin == end:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
+        if (start + begin) % dtype.itemsize:
+            flat = flat.clone()
+        out[name] = flat.view(dtype).view(shape)
+    return out
 
 
 class _Payload:
@@ -376,15 +410,7 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
                 and hmac.compare_digest(hashlib.sha256(json_buf).digest(), sha_j)):
             raise CheckpointError(f"{where}: the body does not match the signed digests "
                                   "(changed in transit). Fix: retry the heal")
-        data = bytes(tensor_buf)
-        del tensor_buf
-        what = f"{where}: tensors"
-        check_header(data, what)  # sizes, dtypes, offsets, entry count: before any tensor
-        try:
-            tensors = st_load(data)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is a refused payload
-            raise CheckpointError(f"{what} are not a valid safetensors blob: {exc}") from exc
-        del data
+        tensors = _tensors_from(tensor_buf, f"{where}: tensors")
         skeleton = loads_checked(bytes(json_buf), f"{where}: JSON skeleton", strict=True)
         state = decode(tensors, skeleton, what=where)
         if not isinstance(state, dict):
