@@ -211,6 +211,10 @@ def check_index(sharded: Any, nfiles: int, where: str) -> dict[str, dict[str, An
     tensors = sharded.get("tensors") if isinstance(sharded, dict) else None
     if not isinstance(tensors, list):
         raise CheckpointError(bad.format("tensors is not a list"))
+    paths = [json.dumps(e.get("path")) if isinstance(e, dict) else "" for e in tensors]
+    if len(set(paths)) != len(paths):
+        twice = next(p for i, p in enumerate(paths) if p in paths[:i])
+        raise CheckpointError(bad.format(f"{twice:.80} is listed twice"))
     wanted: dict[str, dict[str, Any]] = {}
     for e in tensors:
         if not (isinstance(e, dict) and isinstance(e.get("path"), list)
@@ -244,8 +248,11 @@ def _check_headers(files: list[str], wanted: dict[str, dict[str, Any]],
     """Every indexed row range against the header of the file holding it (shape and dtype
     as the file declares them), before any file is unpacked."""
     for r, f in enumerate(files):
-        entries = [e for e in wanted.values() if e["rows"][r][1] > e["rows"][r][0]]
-        if not entries and r:
+        # A file's non-empty row ranges; rank 0's file also holds the whole of a tensor of
+        # no rows at all (shape [0, ...]).
+        entries = [e for e in wanted.values() if e["rows"][r][1] > e["rows"][r][0]
+                   or (r == 0 and e["shape"][0] == 0)]
+        if not entries:
             continue
         h = header(f)
         for e in entries:
