@@ -452,3 +452,39 @@ def test_sparse_bare_safetensors_file_is_refused(tmp_path: Path) -> None:
     s2, model2 = _saver(seed=4)
     s2.restore(good, model=model2)
     torch.testing.assert_close(_state(s2, model2), _state(s, model))
+
+
+def test_a_member_too_large_for_memory_is_a_checkpoint_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense member larger than memory (simulated: its read raises ``MemoryError``, as the
+    40 GiB case did) is a ``CheckpointError`` naming the size, not a ``MemoryError``."""
+    s, model = _saver()
+    s.save(tmp_path / "ck", model=model, step=1)
+    real_fdopen = os.fdopen
+
+    class Starved:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def __enter__(self) -> Starved:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.f.close()
+
+        def fileno(self) -> int:
+            return int(self.f.fileno())
+
+        def read(self, n: int = -1) -> bytes:
+            raise MemoryError
+
+    def fdopen(fd: int, *args: Any, **kwargs: Any) -> Any:
+        f = real_fdopen(fd, *args, **kwargs)
+        return Starved(f) if os.fstat(fd).st_size > 1000 else f  # the model file, not the manifest
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    with pytest.raises(sg.CheckpointError, match="model.safetensors is \\d+ bytes, more than "
+                                                 "this process can allocate.*Fix"):
+        s.restore(tmp_path / "ck", model=model)
+    monkeypatch.undo()
+    _good_round_trip(tmp_path)
