@@ -372,6 +372,8 @@ def resolve(path: Path, wanted: Wanted) -> tuple[Path, dict[str, Any], dict[str,
     (a link of ours is only followed into a plain versions directory of ours). Resolved once
     and read through directory descriptors (see above)."""
     errors: list[str] = []
+    if path.name in ("", ".", ".."):  # "." or "..": name it from its parent
+        path = Path(os.path.abspath(path))
     versions = _versions_dir(path)
     try:
         pfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
