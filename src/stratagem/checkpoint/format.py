@@ -60,6 +60,9 @@ MAX_JSON_DEPTH = 96
 MAX_MANIFEST_BYTES = 16 << 20
 #: Most members a ``.pt`` zip may hold (torch writes one per storage plus a few records).
 MAX_PT_MEMBERS = 1 << 16
+#: Bytes of a file that may be holes (not on disk) before it is refused as sparse, beyond
+#: which at most half of it may be: see :func:`check_real_size`.
+SPARSE_SLACK_BYTES = 16 << 20
 #: Bytes per element of the dtypes a checkpoint may hold (anything else is refused).
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                 "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -171,12 +174,13 @@ def _header_limit(size: int) -> int:
     return min(MAX_HEADER_BYTES, room, max(_HEADER_BASE_BYTES, proportional))
 
 
-def check_header(data: bytes | bytearray, what: str) -> dict[str, Any]:
-    """Validate the safetensors header of ``data`` (a whole file's bytes) without trusting it.
-    Returns the parsed header; raises ``CheckpointError`` before anything proportional to
-    what the header claims is allocated."""
+def check_header(data: bytes | bytearray, what: str, size: int | None = None) -> dict[str, Any]:
+    """Validate the safetensors header of ``data`` (a whole file's bytes, or with ``size`` the
+    file's first bytes, header included) without trusting it. Returns the parsed header;
+    raises ``CheckpointError`` before anything proportional to what the header claims is
+    allocated."""
     fix = "Fix: the file is corrupt or not a stratagem/safetensors file; restore another version."
-    size = len(data)
+    size = len(data) if size is None else size
     if size < 8:
         raise CheckpointError(f"{what} is not a safetensors file: {size} bytes, shorter than "
                               f"the 8-byte header length. {fix}")
@@ -188,6 +192,9 @@ def check_header(data: bytes | bytearray, what: str) -> dict[str, Any]:
                               f"{_HEADER_BASE_BYTES} + {_HEADER_BYTES_PER_DATA_BYTE} per data "
                               f"byte, at most {MAX_HEADER_BYTES}). {fix}")
     raw = bytes(data[8:8 + n])
+    if len(raw) != n:
+        raise CheckpointError(f"{what}: the header is {n} bytes but only {len(raw)} could be "
+                              f"read. {fix}")
     data_len = size - 8 - n
     most = _ENTRIES_BASE + data_len // _DATA_BYTES_PER_ENTRY
     # Every entry is a JSON object: count them (outside strings) before parsing anything.
@@ -241,9 +248,60 @@ def check_header(data: bytes | bytearray, what: str) -> dict[str, Any]:
     return header
 
 
+def declared_size(header: dict[str, Any], header_len: int) -> int:
+    """The file size a checked safetensors header declares: the 8-byte length, the header
+    and the data up to the last tensor's end (the format has no trailing bytes)."""
+    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+    return 8 + header_len + max(ends, default=0)
+
+
+def check_real_size(st: os.stat_result, what: str) -> None:
+    """Refuse a file whose size is mostly holes (a sparse file: a 3 GiB member costing its
+    writer 16 KiB on disk), before a byte of it is read, allocated or hashed. Files stratagem
+    writes are dense; up to ``SPARSE_SLACK_BYTES`` and half the file may be unallocated (tail
+    packing, or blocks a compressing file system kept as holes)."""
+    blocks = getattr(st, "st_blocks", None)
+    if blocks is None:  # no block count on this platform: the declared-size check remains
+        return
+    missing = st.st_size - 512 * blocks
+    if missing > max(SPARSE_SLACK_BYTES, st.st_size // 2):
+        raise CheckpointError(
+            f"{what} is {st.st_size} bytes long but only {512 * blocks} bytes of it are on "
+            f"disk (a sparse file, {missing} bytes of holes): refused before it is read, as "
+            "reading it would allocate and hash its full length for data nobody wrote. "
+            f"{CORRUPT_FIX} (or, for a file you wrote yourself, copy it without holes: "
+            "cp --sparse=never)")
+
+
+def check_safetensors_fd(fd: int, st: os.stat_result, what: str) -> dict[str, Any]:
+    """The checked header of the safetensors file open at ``fd`` (``st``: its ``fstat``),
+    read with ``pread`` (the header's bytes only), and the size it declares checked against
+    the file's real size: a sparse, padded or truncated file is refused before its data is
+    read, allocated or hashed."""
+    check_real_size(st, what)
+    size = st.st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        check_header(head, what)  # refused: shorter than the 8-byte length
+    n = int.from_bytes(head, "little")
+    prefix = head + (os.pread(fd, n, 8) if n <= _header_limit(size) else b"")
+    header = check_header(prefix, what, size)
+    declared = declared_size(header, n)
+    if declared != size:
+        raise CheckpointError(
+            f"{what}: its header declares {declared} bytes (8 + {n} of header + tensor data) "
+            f"but the file holds {size} bytes; a safetensors file is exactly what its header "
+            f"declares (padding or holes are refused before anything is allocated). "
+            f"{CORRUPT_FIX}")
+    return header
+
+
 def load_tensors(data: bytes, what: str) -> dict[str, torch.Tensor]:
     try:
         return st_load(data)
+    except MemoryError as exc:
+        raise CheckpointError(f"{what}: not enough memory to load its {len(data)} bytes of "
+                              "tensors. Fix: restore on a machine with more memory") from exc
     except Exception as exc:  # noqa: BLE001 - any parse failure is a corrupt file
         raise CheckpointError(f"{what} is not a valid safetensors file: {exc}") from exc
 
@@ -266,7 +324,12 @@ def read_fd(fd: int, what: str, limit: int | None) -> bytes:
         if limit is not None and st.st_size > limit:
             raise CheckpointError(f"{what} is {st.st_size} bytes, over the limit of {limit}. "
                                   f"{CORRUPT_FIX}")
-        data = f.read(st.st_size + 1)
+        check_real_size(st, what)
+        try:
+            data = f.read(st.st_size + 1)
+        except MemoryError as exc:
+            raise CheckpointError(f"{what} is {st.st_size} bytes, more than this process can "
+                                  "allocate. Fix: restore on a machine with more memory") from exc
     if len(data) != st.st_size:
         raise CheckpointError(f"{what} changed size while being read ({st.st_size} -> "
                               f"{len(data)} bytes). Fix: do not write a checkpoint while "
@@ -278,7 +341,18 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """A ``.safetensors`` file as a dict of tensors, its header checked before anything is
     allocated (see the module docstring). Raises ``CheckpointError`` for a bad file."""
     file = Path(path)
-    data = _read_regular(file, str(file))
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {file}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            check_safetensors_fd(fd, st, str(file))
+    except BaseException:
+        os.close(fd)
+        raise
+    data = read_fd(fd, str(file), None)
     check_header(data, str(file))
     return load_tensors(data, str(file))
 
@@ -426,3 +500,60 @@ def check_manifest(m: Any, where: Path) -> dict[str, Any]:
         if field in m and not _int(m[field], low):
             raise _bad(where, field, m[field], f"an int >= {low}")
     return m
+
+
+# ---------------------------------------------------------------------- optimizer state
+#: State a torch optimizer keeps shaped like its parameter, by name: checked for any
+#: optimizer class (a custom optimizer using these names means the same).
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
+                           "square_avg", "acc_delta", "grad_avg", "exp_inf", "prev",
+                           "step_size", "ax", "variance"})
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                          what: str) -> None:
+    """Refuse saved optimizer state whose tensors do not fit the optimizer's parameters,
+    naming the key, before it is loaded (torch's ``load_state_dict`` checks no shape: a
+    wrong one surfaced as a ``RuntimeError`` at the first step). Saved indices map to the
+    parameters in param-group order, as in ``load_state_dict``. For torch's own optimizers
+    every tensor of one or more dims must have its parameter's shape, or the same number of
+    dims with some of them 1 (Adafactor's factored moments); ``LBFGS`` (flat vectors of all
+    parameters) is left to torch; for other classes the names torch uses for moments
+    (``exp_avg``, ``momentum_buffer``, ...) are checked."""
+    inner = optimizer
+    wrapped = getattr(inner, "optimizer", None)
+    while not type(inner).__module__.startswith("torch.optim") and isinstance(
+            wrapped, torch.optim.Optimizer):
+        inner = wrapped  # a wrapper (the strategy's StrategyOptimizer)
+        wrapped = getattr(inner, "optimizer", None)
+    if isinstance(inner, torch.optim.LBFGS):
+        return
+    builtin = type(inner).__module__.startswith("torch.optim")
+    saved, groups = state.get("state", {}), state.get("param_groups", [])
+    if not isinstance(saved, dict) or not isinstance(groups, list):
+        return  # torch's load_state_dict refuses these (a CheckpointError at the caller)
+    ids = [i for g in groups if isinstance(g, dict) and isinstance(g.get("params"), list)
+           for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_id = dict(zip(ids, params, strict=False))
+    for index, entry in saved.items():
+        param = by_id.get(index)
+        if param is None or not isinstance(entry, dict):
+            continue
+        shape = tuple(param.shape)
+        for name, value in entry.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if not builtin and name not in _PARAM_SHAPED:
+                continue
+            have = tuple(value.shape)
+            fits = have == shape or (builtin and name not in _PARAM_SHAPED
+                                     and len(have) == len(shape)
+                                     and all(h in (s, 1) for h, s in zip(have, shape)))
+            if not fits:
+                raise CheckpointError(
+                    f"{what}: optimizer state['state'][{index!r}][{name!r}] has shape "
+                    f"{list(have)}, but the parameter it belongs to (index {index} in "
+                    f"param-group order) has shape {list(shape)}. Fix: restore with the "
+                    "model and optimizer the checkpoint was saved with (same parameters, same "
+                    "order), or restore the model alone")

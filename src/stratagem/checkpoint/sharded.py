@@ -175,36 +175,106 @@ def shard_files(entry: dict[str, Any], where: str) -> list[str]:
         raise CheckpointError(f"{where}: the sharded entry's files are {files!r:.80}, expected "
                               "a non-empty list of file names. Fix: the checkpoint is corrupt "
                               "or was not written by stratagem; restore another version")
+    key = files[0].rpartition(".rank")[0]
+    expected = [f"{key}.rank{r}.safetensors" for r in range(len(files))]
+    if files != expected:
+        odd = next(f"{f!r} at position {r}" for r, (f, e) in enumerate(zip(files, expected))
+                   if f != e)
+        raise CheckpointError(f"{where}: the sharded entry lists {odd:.120}; expected "
+                              f"{key}.rank<r>.safetensors for r = 0..{len(files) - 1}, each "
+                              "once in rank order (a file listed twice would be unpacked "
+                              "twice). Fix: the checkpoint is corrupt or was not written by "
+                              "stratagem; restore another version")
     return files
+
+
+def _header_key(path: _Path) -> str:
+    """The safetensors name ``format.pack`` gives the tensor at ``path`` (``/k1/k2``)."""
+    return "".join(f"/{k}" for k in path)
+
+
+#: ``str(torch dtype)`` -> safetensors dtype code, for the dtypes a checkpoint may hold.
+_ST_DTYPE = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16",
+             "torch.bfloat16": "BF16", "torch.int64": "I64", "torch.int32": "I32",
+             "torch.int16": "I16", "torch.int8": "I8", "torch.uint8": "U8", "torch.bool": "BOOL",
+             "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2"}
+
+
+def check_index(sharded: Any, nfiles: int, where: str) -> dict[str, dict[str, Any]]:
+    """The sharded index checked as untrusted input before any file is unpacked: each
+    tensor listed once, a shape of at most 64 dims each < 2**48, a known dtype, one
+    ``[start, stop]`` per file with ``0 <= start <= stop <= shape[0]``, and the non-empty
+    ranges tiling ``[0, shape[0])`` in file order (empty ones, the repeats of a smaller mesh,
+    cover nothing). Returns the entries by their JSON path."""
+    bad = (f"{where}: inconsistent sharded index ({{}}). Fix: the checkpoint is corrupt or was "
+           "not written by stratagem; restore another version")
+    tensors = sharded.get("tensors") if isinstance(sharded, dict) else None
+    if not isinstance(tensors, list):
+        raise CheckpointError(bad.format("tensors is not a list"))
+    paths = [json.dumps(e.get("path")) if isinstance(e, dict) else "" for e in tensors]
+    if len(set(paths)) != len(paths):
+        twice = next(p for i, p in enumerate(paths) if p in paths[:i])
+        raise CheckpointError(bad.format(f"{twice:.80} is listed twice"))
+    wanted: dict[str, dict[str, Any]] = {}
+    for e in tensors:
+        if not (isinstance(e, dict) and isinstance(e.get("path"), list)
+                and isinstance(e.get("shape"), list) and 0 < len(e["shape"]) <= 64
+                and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48
+                        for s in e["shape"])
+                and e.get("dtype", "torch.float32") in _ST_DTYPE
+                and isinstance(e.get("rows"), list) and len(e["rows"]) == nfiles):
+            raise CheckpointError(bad.format(f"entry {str(e)[:80]}"))
+        key = json.dumps(e["path"])
+        if key in wanted:
+            raise CheckpointError(bad.format(f"{e['path']!r:.80} is listed twice"))
+        stop, length = 0, e["shape"][0]
+        for r in e["rows"]:
+            if not (isinstance(r, list) and len(r) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+                    and 0 <= r[0] <= r[1] <= length and (r[0] == stop or r[0] == r[1])):
+                raise CheckpointError(bad.format(f"rows {e['rows']!r:.80} of {e['path']!r:.80} "
+                                                 f"for {length} rows"))
+            if r[1] > r[0]:
+                stop = r[1]
+        if stop != length:
+            raise CheckpointError(bad.format(f"rows of {e['path']!r:.80} cover {stop} of "
+                                             f"{length}"))
+        wanted[key] = e
+    return wanted
+
+
+def _check_headers(files: list[str], wanted: dict[str, dict[str, Any]],
+                   header: Callable[[str], dict[str, Any]], bad: str) -> None:
+    """Every indexed row range against the header of the file holding it (shape and dtype
+    as the file declares them), before any file is unpacked."""
+    for r, f in enumerate(files):
+        # A file's non-empty row ranges; rank 0's file also holds the whole of a tensor of
+        # no rows at all (shape [0, ...]).
+        entries = [e for e in wanted.values() if e["rows"][r][1] > e["rows"][r][0]
+                   or (r == 0 and e["shape"][0] == 0)]
+        if not entries:
+            continue
+        h = header(f)
+        for e in entries:
+            start, stop = e["rows"][r]
+            found = h.get(_header_key(e["path"]))
+            if not isinstance(found, dict):
+                continue  # not under the name pack gives it: checked after unpacking
+            expected = [stop - start, *e["shape"][1:]]
+            code = _ST_DTYPE[e.get("dtype", "torch.float32")]
+            if found.get("shape") != expected or found.get("dtype") != code:
+                raise CheckpointError(bad.format(
+                    f"{f} holds {found.get('dtype')} {found.get('shape')!r:.80} for rows "
+                    f"{start}:{stop} of {e['path']!r:.80}, declared {code} {expected!r:.80}"))
 
 
 def merge(parts: list[Any], sharded: dict[str, Any], where: str) -> Any:
     """Full state from every file's part (file order): rank 0's structure, each indexed
     tensor the concatenation of the files' rows. The index is checked like any other
-    untrusted input (rows tiling ``[0, shape[0])`` in order, shapes and dtypes agreeing)."""
+    untrusted input (:func:`check_index`), and every result has its declared shape and dtype."""
     bad = (f"{where}: inconsistent sharded index ({{}}). Fix: the checkpoint is corrupt or was "
            "not written by stratagem; restore another version")
-    tensors = sharded.get("tensors")
-    if not isinstance(tensors, list):
-        raise CheckpointError(bad.format("tensors is not a list"))
-    wanted: dict[str, dict[str, Any]] = {}
-    for e in tensors:
-        if not (isinstance(e, dict) and isinstance(e.get("path"), list)
-                and isinstance(e.get("shape"), list) and e["shape"]
-                and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                        for s in e["shape"])
-                and isinstance(e.get("rows"), list) and len(e["rows"]) == len(parts)):
-            raise CheckpointError(bad.format(f"entry {str(e)[:80]}"))
-        stop = 0
-        for r in e["rows"]:
-            if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r)
-                    and (r[0] == stop or r[0] == r[1]) and r[0] <= r[1]):
-                raise CheckpointError(bad.format(f"rows {e['rows']!r:.80} of {e['path']!r:.80}"))
-            stop = max(stop, r[1])
-        if stop != e["shape"][0]:
-            raise CheckpointError(bad.format(f"rows of {e['path']!r:.80} cover {stop} of "
-                                             f"{e['shape'][0]}"))
-        wanted[json.dumps(e["path"])] = e
+    wanted = check_index(sharded, len(parts), where)
 
     def leaf(part: Any, path: _Path) -> Any:
         for k in path:
@@ -230,8 +300,18 @@ def merge(parts: list[Any], sharded: dict[str, Any], where: str) -> Any:
                 raise CheckpointError(bad.format(f"rows {start}:{stop} of {path!r:.80}"))
             pieces.append(piece)
         if not pieces:  # a tensor of 0 rows: rank 0's empty part is the whole of it
-            return t
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            if not (isinstance(t, torch.Tensor) and list(t.shape) == e["shape"]):
+                raise CheckpointError(bad.format(
+                    f"{path!r:.80} is declared {e['shape']!r:.80} with no rows in any file, but "
+                    f"rank 0's file holds {list(getattr(t, 'shape', []))!r:.80}"))
+            out = t
+        else:
+            out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if str(out.dtype) != e.get("dtype", str(out.dtype)) or list(out.shape) != e["shape"]:
+            raise CheckpointError(bad.format(f"{path!r:.80} restores as {out.dtype} "
+                                             f"{list(out.shape)}, declared {e.get('dtype')} "
+                                             f"{e['shape']!r:.80}"))
+        return out
 
     merged = _walk(parts[0], full, [])  # rank 0's file holds the whole structure
     if wanted:
@@ -256,11 +336,20 @@ def save_entry(comm: Comm, key: str, state: Any, own: dict[str, bytes], kind: st
     return entry
 
 
-def load_entry(entry: dict[str, Any], read: Callable[[str], Any], where: str) -> Any:
+def load_entry(entry: dict[str, Any], read: Callable[[str], Any], where: str,
+               header: Callable[[str], dict[str, Any]] | None = None) -> Any:
     """The full state of a sharded entry: every file (``read``: verified and unpacked by the
     checkpoint reader), rows concatenated. Tied names of a module come back through the
-    entry's aliases, not from the files."""
-    parts = [read(f) for f in shard_files(entry, where)]
+    entry's aliases, not from the files. Before any file is unpacked: the file list (each
+    once), the index (:func:`check_index`) and, with ``header`` (a file's checked
+    safetensors header), every row range against the file holding it."""
+    files = shard_files(entry, where)
+    wanted = check_index(entry.get("sharded"), len(files), where)
+    if header is not None:
+        _check_headers(files, wanted, header,
+                       f"{where}: inconsistent sharded index ({{}}). Fix: the checkpoint is "
+                       "corrupt or was not written by stratagem; restore another version")
+    parts = [read(f) for f in files]
     merged = merge(parts, entry["sharded"], where)
     if entry.get("kind") == "module":
         if not isinstance(merged, dict):

@@ -41,6 +41,7 @@ from .format import (
     FORMAT_VERSION,
     KEY_RE,
     MAX_JSON_DEPTH,
+    check_optimizer_state,
     dumps_checked,
     load_pt,
     pack,
@@ -56,6 +57,7 @@ from .storage import (
     extras_of,
     member_bytes,
     member_tensors,
+    merge_shards,
     resolve,
     stage,
     write_file,
@@ -464,6 +466,7 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
             if not isinstance(opt_state, dict):
                 raise CheckpointError(f"{directory / name} holds a {type(opt_state).__name__}, "
                                       f"not an optimizer state dict. {CORRUPT_FIX}")
+            check_optimizer_state(obj, opt_state, f"{directory}: {key!r}")  # issue 25
             try:
                 strategy.load_optimizer_state(obj, opt_state)
             except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -512,8 +515,7 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
 
 
 def _merge_shards(directory: Path, blobs: dict[str, bytes], entry: dict[str, Any]) -> Any:
-    return sharded.load_entry(entry, lambda f: unpack(member_bytes(directory, blobs, f),
-                                                       str(directory / f)), str(directory))
+    return merge_shards(directory, blobs, entry)
 
 
 def _restore_model_file(strategy: Strategy, file: Path, state: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,8 @@ from .format import (
     MEMBER_RE,
     check_header,
     check_manifest,
+    check_real_size,
+    check_safetensors_fd,
     load_tensors,
     loads_checked,
     read_fd,
@@ -44,10 +46,46 @@ from .format import (
 #: Names we create, and the only ones we read or delete.
 _VERSION_RE = re.compile(r"\d{12}-(?:\d{20}|legacy-[0-9a-f]{8})")
 _TMP_RE = re.compile(r"tmp-(?:del-)?[0-9a-f]{32}")
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: Opening a directory or a member of one: never through a link.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+_MEMBER_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+#: Modes of what ``save`` creates, whatever the umask adds: nobody but the owner writes.
+_DIR_MODE = 0o755
+_FILE_MODE = 0o644
+_OWNER_FIX = ("Fix: remove it (check first what it holds) or choose another path; to use a "
+              "checkpoint someone else shared, copy it into a directory of your own")
+
 
 # ---------------------------------------------------------------------- files and ownership
+def check_owner(st: os.stat_result, what: str) -> None:
+    """Refuse a checkpoint directory, member or link that another user controls: owned by
+    anyone but this user (or root), or (not a link) writable by its group or others. Another
+    user who can write there can swap what a restore loads (issue 25: a pre-created
+    ``.ck.versions`` of mode 0777 in ``/tmp``)."""
+    if not hasattr(os, "geteuid"):
+        return  # no POSIX owners on this platform
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        raise CheckpointError(
+            f"{what} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root: its "
+            "owner could replace what it holds, so stratagem refuses to save into it or "
+            f"restore from it. {_OWNER_FIX}")
+    if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+        raise CheckpointError(
+            f"{what} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}): anyone who "
+            "can write there could swap what a restore loads, so stratagem refuses to save "
+            f"into it or restore from it. Fix: chmod go-w {what} if you trust what it holds; "
+            "otherwise remove it or choose another path")
+
+
 def _fsync_write(path: Path, data: bytes) -> str:
-    with open(path, "xb") as f:  # "x": a fresh file in our fresh directory, never a link
+    # O_EXCL | O_NOFOLLOW: a fresh file in our fresh directory, never a link; mode 0644
+    # whatever the umask would allow.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC,
+                 _FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -99,18 +137,24 @@ def _check_versions_dir(path: Path) -> Path:
     entries)."""
     versions = _versions_dir(path)
     try:
-        mode = os.lstat(versions).st_mode
+        st = os.lstat(versions)
     except FileNotFoundError:
         return versions
     except OSError as exc:
         raise CheckpointError(f"cannot inspect {versions}: {exc}") from exc
-    if not stat.S_ISDIR(mode):
-        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+    _check_versions_stat(versions, st)
+    return versions
+
+
+def _check_versions_stat(versions: Path, st: os.stat_result) -> None:
+    """A versions directory must be a plain directory (not a link) that only we control."""
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
         raise CheckpointError(
             f"{versions} is {what}; stratagem creates it as a plain directory and never follows "
             "a link out of what it owns, so it refuses to save or restore through it. Fix: "
             f"remove {versions} (check first what it points to) or choose another path")
-    return versions
+    check_owner(st, str(versions))
 
 
 def _read_manifest_at(directory: Path) -> Any:
@@ -186,16 +230,65 @@ def _candidates(path: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------- verified reading
-def _open_member(dfd: int, directory: Path, name: str) -> int:
+# Restore resolves ``path`` once and reads everything through directory file descriptors:
+# the parent is opened once, the link read once (readlink at the parent's fd), the versions
+# and version directories opened with ``O_NOFOLLOW`` at their parent's fd and their owner and
+# mode checked on the open descriptor, every member opened at the version's fd. A swap of any
+# name after that (the link, the versions directory, a version) cannot redirect the restore.
+def _open_dir_at(dfd: int, name: str, what: str) -> int:
+    """A directory opened once at ``dfd`` (never through a link), its owner and mode checked
+    on the descriptor."""
     try:
-        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
     except OSError as exc:
-        if _is_link(directory / name):
-            raise CheckpointError(f"{directory / name} is a symbolic link; a checkpoint's files "
+        try:
+            link = stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
+            raise CheckpointError(f"{what} is a symbolic link, not a version directory "
+                                  "stratagem wrote; refusing to follow it") from exc
+        raise CheckpointError(f"{what} is not a readable checkpoint directory: {exc}") from exc
+    try:
+        check_owner(os.fstat(fd), what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_member(dfd: int, directory: Path, name: str) -> int:
+    """A member opened once at its directory's fd (``O_NOFOLLOW``): a regular file of ours,
+    and (a safetensors file) its declared size equal to its real size, checked before a byte
+    of its data is read, allocated or hashed."""
+    what = str(directory / name)
+    try:
+        fd = os.open(name, _MEMBER_FLAGS, dir_fd=dfd)
+    except OSError as exc:
+        try:
+            link = stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
+            raise CheckpointError(f"{what} is a symbolic link; a checkpoint's files "
                                   "are regular files inside its directory and links are never "
                                   f"followed. {CORRUPT_FIX}") from exc
         raise CheckpointError(f"{directory}: cannot read {name} ({exc}): not a complete "
                               "checkpoint") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{what} is not a regular file; refusing to read it. Fix: "
+                                  "point at the checkpoint's own files")
+        check_owner(st, what)
+        if name == MANIFEST_NAME:
+            check_real_size(st, what)
+        else:
+            check_safetensors_fd(fd, st, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _read_member(dfd: int, directory: Path, name: str, limit: int | None = None) -> bytes:
@@ -205,8 +298,6 @@ def _read_member(dfd: int, directory: Path, name: str, limit: int | None = None)
 def _hash_member(dfd: int, directory: Path, name: str) -> str:
     """sha256 of a member this rank does not load (other ranks' files), streamed."""
     with os.fdopen(_open_member(dfd, directory, name), "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CheckpointError(f"{directory / name} is not a regular file. {CORRUPT_FIX}")
         h = hashlib.sha256()
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
@@ -217,69 +308,157 @@ def _hash_member(dfd: int, directory: Path, name: str) -> str:
 Wanted = Callable[[dict[str, Any]], Collection[str]]
 
 
-def _verify(directory: Path, wanted: Wanted) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The manifest of an intact checkpoint directory and the bytes of the files ``wanted``
-    names; ``CheckpointError`` otherwise. Every member is opened once: the files loaded are
-    hashed in memory and the same bytes returned; the others are hashed streaming."""
+def _verify(dfd: int, directory: Path, wanted: Wanted) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The manifest of the intact checkpoint directory open at ``dfd`` and the bytes of the
+    files ``wanted`` names; ``CheckpointError`` otherwise. Every member is opened once: the
+    files loaded are hashed in memory and the same bytes returned; the others are hashed
+    streaming."""
     try:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        raise CheckpointError(f"{directory} is not a readable checkpoint directory: {exc}") from exc
-    try:
+        raw = _read_member(dfd, directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{directory} has no readable {MANIFEST_NAME}: not a complete "
+                              f"checkpoint ({exc})") from exc
+    manifest = check_manifest(loads_checked(raw, str(directory / MANIFEST_NAME)), directory)
+    keep = set(wanted(manifest))
+    blobs: dict[str, bytes] = {}
+    for name, digest in manifest["files"].items():
+        if name in keep:
+            data = _read_member(dfd, directory, name)
+            actual = hashlib.sha256(data).hexdigest()
+        else:
+            actual = _hash_member(dfd, directory, name)
+        if actual != digest:
+            raise CheckpointError(f"{directory}: checksum mismatch in {name} (file corrupted)")
+        if name in keep:
+            blobs[name] = data
+    return manifest, blobs
+
+
+def _open_current(pfd: int, path: Path, st: os.stat_result, versions: Callable[[], int]
+                  ) -> tuple[int, Path]:
+    """The directory ``path`` names, opened once: through a link of ours only into our
+    versions directory (``versions()`` opens it), through a link the user made (its owner
+    checked) once, or itself."""
+    check_owner(st, str(path))
+    if stat.S_ISLNK(st.st_mode):
         try:
-            raw = _read_member(dfd, directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{directory} has no readable {MANIFEST_NAME}: not a complete "
-                                  f"checkpoint ({exc})") from exc
-        manifest = check_manifest(loads_checked(raw, str(directory / MANIFEST_NAME)), directory)
-        keep = set(wanted(manifest))
-        blobs: dict[str, bytes] = {}
-        for name, digest in manifest["files"].items():
-            if name in keep:
-                data = _read_member(dfd, directory, name)
-                actual = hashlib.sha256(data).hexdigest()
-            else:
-                actual = _hash_member(dfd, directory, name)
-            if actual != digest:
-                raise CheckpointError(f"{directory}: checksum mismatch in {name} (file corrupted)")
-            if name in keep:
-                blobs[name] = data
-        return manifest, blobs
-    finally:
-        os.close(dfd)
+            target = os.readlink(path.name, dir_fd=pfd)  # read once; never followed again
+        except OSError as exc:
+            raise CheckpointError(f"cannot read the link {path}: {exc}") from exc
+        parts = target.split("/")
+        if (len(parts) == 2 and parts[0] == f".{path.name}.versions"
+                and _VERSION_RE.fullmatch(parts[1])):
+            where = _versions_dir(path) / parts[1]
+            return _open_dir_at(versions(), parts[1], str(where)), where
+        try:  # a link the user made (e.g. latest -> run3/ck): their choice, followed once
+            fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, dir_fd=pfd)
+        except OSError as exc:
+            raise CheckpointError(f"{path} -> {target!r:.200} is not a readable checkpoint "
+                                  f"directory: {exc}") from exc
+        where = Path(os.path.normpath(path.parent / target))
+        try:
+            check_owner(os.fstat(fd), str(where))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, where
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    return _open_dir_at(pfd, path.name, str(path)), path
 
 
 def resolve(path: Path, wanted: Wanted) -> tuple[Path, dict[str, Any], dict[str, bytes]]:
     """The checkpoint to load at ``path``: itself if intact, else the newest intact version
-    (a link of ours is only followed into a plain versions directory)."""
+    (a link of ours is only followed into a plain versions directory of ours). Resolved once
+    and read through directory descriptors (see above)."""
     errors: list[str] = []
-    follow = True
-    if _is_our_link(path):
-        target = _check_versions_dir(path) / os.readlink(path).split("/")[1]
-        if _is_link(target):
-            follow = False  # a link planted in our versions directory is never followed
-            errors.append(f"{target} is a symbolic link, not a version directory stratagem "
-                          "wrote; refusing to follow it")
-    current: Path | None = None
-    if follow and path.exists():
-        current = path.resolve()
+    if path.name in ("", ".", ".."):  # "." or "..": name it from its parent
+        path = Path(os.path.abspath(path))
+    versions = _versions_dir(path)
+    try:
+        pfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    except OSError as exc:
+        raise CheckpointError(f"no intact checkpoint at {path}: cannot open {path.parent} "
+                              f"({exc}). Fix: check the path, or save a checkpoint first.") from exc
+    vfds: list[int | None] = []
+
+    def versions_fd(missing_ok: bool = False) -> int | None:
+        """The versions directory, opened (and checked) once, on first use."""
+        if not vfds:
+            try:
+                st = os.stat(versions.name, dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                vfds.append(None)
+            except OSError as exc:
+                raise CheckpointError(f"cannot inspect {versions}: {exc}") from exc
+            else:
+                _check_versions_stat(versions, st)
+                vfds.append(_open_dir_at(pfd, versions.name, str(versions)))
+        if vfds[0] is None and not missing_ok:
+            raise CheckpointError(f"{versions} does not exist: not a complete checkpoint")
+        return vfds[0]
+
+    def versions_required() -> int:
+        fd = versions_fd()
+        assert fd is not None
+        return fd
+
+    try:
+        current: tuple[int, int] | None = None
         try:
-            return current, *_verify(current, wanted)
-        except CheckpointError as exc:
-            errors.append(str(exc))
-    for candidate in _candidates(path):
-        if candidate.resolve() == current:
-            continue
-        try:
-            manifest, blobs = _verify(candidate, wanted)
-        except CheckpointError as exc:
-            errors.append(str(exc))
-            continue
-        warnings.warn(f"checkpoint at {path} is damaged or missing ({errors[0] if errors else 'missing'}); "
-                      f"restoring the newest intact one, {candidate}", RuntimeWarning, stacklevel=3)
-        return candidate, manifest, blobs
+            st: os.stat_result | None = os.stat(path.name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise CheckpointError(f"cannot inspect {path}: {exc}") from exc
+        if st is not None:
+            try:
+                dfd, where = _open_current(pfd, path, st, versions_required)
+                try:
+                    dst = os.fstat(dfd)
+                    current = (dst.st_dev, dst.st_ino)
+                    return where, *_verify(dfd, where, wanted)
+                finally:
+                    os.close(dfd)
+            except CheckpointError as exc:
+                errors.append(str(exc))
+        vfd = versions_fd(missing_ok=True)
+        for name in _candidate_names(vfd, versions) if vfd is not None else []:
+            assert vfd is not None
+            where = versions / name
+            try:
+                dfd = _open_dir_at(vfd, name, str(where))
+                try:
+                    dst = os.fstat(dfd)
+                    if (dst.st_dev, dst.st_ino) == current:
+                        continue
+                    manifest, blobs = _verify(dfd, where, wanted)
+                finally:
+                    os.close(dfd)
+            except CheckpointError as exc:
+                errors.append(str(exc))
+                continue
+            warnings.warn(f"checkpoint at {path} is damaged or missing "
+                          f"({errors[0] if errors else 'missing'}); restoring the newest intact "
+                          f"one, {where}", RuntimeWarning, stacklevel=3)
+            return where, manifest, blobs
+    finally:
+        for fd in [pfd, *(v for v in vfds if v is not None)]:
+            os.close(fd)
     raise CheckpointError(f"no intact checkpoint at {path}" + (f": {'; '.join(errors)}" if errors else "")
                           + ". Fix: check the path, or save a checkpoint first.")
+
+
+def _candidate_names(vfd: int, versions: Path) -> list[str]:
+    """Names of the version directories (our pattern, not links) in the versions directory
+    open at ``vfd``, most recently written first (see :func:`_candidates`)."""
+    try:
+        with os.scandir(vfd) as entries:
+            found = [e.name for e in entries
+                     if _VERSION_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError as exc:
+        raise CheckpointError(f"cannot list {versions}: {exc}") from exc
+    return sorted(found, key=lambda n: (_written_at(Path(n)), n), reverse=True)
 
 
 def member_bytes(directory: Path, blobs: dict[str, bytes], name: Any) -> bytes:
@@ -297,6 +476,15 @@ def member_tensors(directory: Path, blobs: dict[str, bytes], name: Any) -> dict[
     what = str(directory / name)
     check_header(data, what)
     return load_tensors(data, what)
+
+
+def merge_shards(directory: Path, blobs: dict[str, bytes], entry: dict[str, Any]) -> Any:
+    """The full state of a sharded entry from its verified files: the index checked first,
+    then each file's header against it (no tensor allocated), then each file unpacked once."""
+    return sharded.load_entry(
+        entry, lambda f: unpack(member_bytes(directory, blobs, f), str(directory / f)),
+        str(directory),
+        header=lambda f: check_header(member_bytes(directory, blobs, f), str(directory / f)))
 
 
 def extras_of(directory: Path, manifest: dict[str, Any], blobs: dict[str, bytes]) -> dict[str, Any]:
@@ -334,8 +522,7 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     directory, manifest, blobs = resolve(clean_path(path), wanted)
     entry = manifest.get("objects", {}).get("model", {})
     if "sharded" in entry:  # one file per replica's rows (sg.Sharded): concatenated here
-        tensors = sharded.load_entry(entry, lambda f: unpack(member_bytes(directory, blobs, f),
-                                                             str(directory / f)), str(directory))
+        tensors = merge_shards(directory, blobs, entry)
     else:
         tensors = member_tensors(directory, blobs, "model.safetensors")
     for alias, canonical in entry.get("aliases", {}).items():
@@ -350,13 +537,20 @@ def _prepare_path(path: Path) -> Path:
     is absent, a link of ours, or a checkpoint directory of the older flat layout (moved into
     the versions as ``<step>-legacy-<id>``); anything else is refused, naming it."""
     versions = _check_versions_dir(path)
+    _check_parent(path.parent)
     if _is_link(path) and not _is_our_link(path):
         raise CheckpointError(
             f"{path} is a symbolic link to {os.readlink(path)!r}, which stratagem did not create "
             f"(its links point to .{path.name}.versions/<step>-<time>); refusing to replace it. "
             "Fix: remove the link or choose another path")
+    if _is_link(path):
+        check_owner(os.lstat(path), str(path))
     if not versions.exists():
-        versions.mkdir(parents=True, exist_ok=True)
+        versions.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            versions.mkdir(mode=_DIR_MODE)
+        except FileExistsError:
+            pass  # another saver made it meanwhile: checked below like any other
         _fsync_dir(versions.parent)  # the new directory entry itself must survive a crash
         _check_versions_dir(path)
     if path.exists() and not _is_link(path):
@@ -364,8 +558,28 @@ def _prepare_path(path: Path) -> Path:
         if not (isinstance(m, dict) and m.get("format") == FORMAT_VERSION):
             raise CheckpointError(f"{path} exists and is not a stratagem checkpoint; refusing to "
                                   "replace it. Fix: choose another path or remove it.")
+        check_owner(os.lstat(path), str(path))  # never adopt another user's directory
         os.replace(path, versions / f"{0:012d}-legacy-{uuid.uuid4().hex[:8]}")
     return versions
+
+
+def _check_parent(parent: Path) -> None:
+    """Refuse to save into a directory anyone may rename entries of (writable by others,
+    without the sticky bit of ``/tmp``): they could swap the versions directory between our
+    check and our writes. ``/tmp`` itself is fine: the sticky bit keeps others' hands off
+    our entries, and what they pre-create there is refused by its owner."""
+    try:
+        st = os.stat(parent)
+    except FileNotFoundError:
+        return  # created by save, with the process's umask
+    except OSError as exc:
+        raise CheckpointError(f"cannot inspect {parent}: {exc}") from exc
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise CheckpointError(
+            f"{parent} is writable by others without the sticky bit (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): any user could rename the checkpoint's "
+            "versions directory and swap in their own while it is written. Fix: save into a "
+            f"directory only you can write, or chmod +t {parent} (as /tmp is)")
 
 
 def write_file(path: Path, data: bytes) -> str:
@@ -377,7 +591,7 @@ def stage(path: Path) -> Path:
     """A fresh staging directory in ``path``'s versions directory, for replicas that write
     files of their own (sharded checkpoints) before :func:`commit`."""
     tmp = _prepare_path(path) / f"tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
+    tmp.mkdir(mode=_DIR_MODE)
     return tmp
 
 
@@ -402,7 +616,7 @@ def commit(path: Path, files: dict[str, bytes], manifest: dict[str, Any], keep_l
                               "extras as tensors (they go to extra.safetensors)")
     tmp = staged[0] if staged is not None else versions / f"tmp-{uuid.uuid4().hex}"
     if staged is None:
-        tmp.mkdir()
+        tmp.mkdir(mode=_DIR_MODE)
     for fname, data in files.items():
         _fsync_write(tmp / fname, data)
     _fsync_write(tmp / MANIFEST_NAME, text)
