@@ -434,3 +434,93 @@ def test_mirrored_bf16_error_feedback_residuals_survive_save_and_restore(tmp_pat
             assert torch.equal(straight[name], resumed[name]), name
     keys = safetensors.torch.load_file(tmp_path / "ck" / "strategy.safetensors")
     assert "model/ef_residual.rank1/0.weight" in keys
+
+
+def test_a_peer_lost_during_the_background_all_reduce_raises_at_the_step_it_is_due():
+    def job(comm):
+        strategy = DiLoCo(period=4, fragments=2, sync_delay=1, compression="int8", comm=comm)
+        model, opt = _setup(strategy)
+        batches = _batches(comm.rank, 4)
+        if comm.rank == 1:
+            _step(strategy, model, opt, batches[0])
+            return None  # leaves before fragment 1's all-reduce (sent at step 2)
+        _step(strategy, model, opt, batches[0])
+        _step(strategy, model, opt, batches[1])  # launches it in the background: no wait
+        try:
+            _step(strategy, model, opt, batches[2])  # due here
+        except sg.PeerTimeoutError as exc:
+            return str(exc)
+        return "no error"
+
+    message = run_ranks(job, 2, comm_timeout=3.0)[0]
+    assert "peer rank(s) 1" in message or "rank 1" in message, message
+
+
+# ---------------------------------------------------------------------- torchft
+class _FakeManager:
+    """What torchft's DiLoCo asks of its Manager, over a stratagem Comm: a fixed quorum of
+    every replica, commits that always succeed, and Manager.allreduce's average (a sum, then
+    ``/= num_participants``)."""
+
+    _use_async_quorum = False
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.step = 0
+
+    def allreduce(self, tensor, should_quantize=False):
+        self.comm.all_reduce(tensor)
+        tensor /= self.comm.world_size
+
+        class _Done:
+            def wait(self, timeout=None):
+                return True
+
+        return _Done()
+
+    def should_commit(self):
+        self.step += 1
+        return True
+
+    def current_step(self):
+        return self.step
+
+    def start_quorum(self):
+        pass
+
+    def allow_state_dict_read(self):
+        pass
+
+    def disallow_state_dict_read(self):
+        pass
+
+    def register_state_dict_fn(self, *args):
+        pass
+
+
+def test_fp32_diloco_without_overlap_equals_torchft_diloco():
+    local_sgd = pytest.importorskip("torchft.local_sgd")
+    period, steps = 3, 9
+
+    def job(comm):
+        batches = _batches(comm.rank, steps)
+        strategy = DiLoCo(period=period, outer_lr=0.7, outer_momentum=0.9, comm=comm)
+        model, opt = _setup(strategy)
+        for batch in batches:
+            _step(strategy, model, opt, batch)
+        ours = _state(strategy, model)
+
+        theirs = make_model(0)
+        inner = torch.optim.Adam(theirs.parameters(), lr=0.05)
+        outer = torch.optim.SGD(theirs.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        with local_sgd.DiLoCo(_FakeManager(comm), [theirs], inner, outer, sync_every=period,
+                              pin_memory=False):
+            for x, y in batches:
+                F.cross_entropy(theirs(x), y).backward()
+                inner.step()
+                inner.zero_grad()
+        return ours, {k: v.detach().clone() for k, v in theirs.state_dict().items()}
+
+    for ours, theirs in run_ranks(job, 2):
+        for name in ours:
+            torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=0)

@@ -10,6 +10,15 @@ mu m)``. ``fragments > 1`` is streaming DiLoCo (Douillard et al., "Streaming DiL
 contiguous groups of parameters synchronised on staggered steps; parameters outside the
 fragment being synchronised have no gradient, so the outer optimizer leaves them (and their
 state) untouched.
+
+On slow links (issue 24): ``compression="int8"|"int4"`` quantizes the pseudo-gradient
+blockwise (:mod:`stratagem.quantize`; all-reduced by :meth:`Comm.all_reduce_quantized`, as
+INTELLECT-1 does with int8, Jaghouar et al. 2024) with error feedback (Seide et al. 2014;
+Karimireddy et al. 2019): each replica keeps what its quantizations dropped and adds it to the
+next pseudo-gradient of the same parameters. ``sync_delay`` and ``alpha`` are Streaming
+DiLoCo's overlap (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025:
+tau and alpha): the fragment's all-reduce runs in the background while ``sync_delay`` inner
+steps compute, and the landed outer parameters are mixed with the local ones.
 """
 
 from __future__ import annotations
