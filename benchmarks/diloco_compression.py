@@ -68,6 +68,17 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "streaming-int4": ("diloco", {**_DILOCO, "compression": "int4", "fragments": 4,
                                   "sync_delay": 2, "alpha": 0.5}, False, True),
 }
+#: Not in the default grid: Streaming DiLoCo without the local mix (alpha 0: a landed fragment
+#: replaces the local one), to separate the effect of alpha from that of the overlap.
+EXTRA: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
+    "streaming-int4-a0": ("diloco", {**_DILOCO, "compression": "int4", "fragments": 4,
+                                     "sync_delay": 2, "alpha": 0.0}, False, True),
+    # Fragments without overlap: separates fragmenting (and its lagging consensus) from tau.
+    "streaming-int4-sync": ("diloco", {**_DILOCO, "compression": "int4", "fragments": 4},
+                            False, True),
+}
+DEFAULT_ROWS = list(STRATEGIES)
+STRATEGIES.update(EXTRA)
 QUICK_STRATEGIES = ["diloco", "diloco-int4", "streaming-int4"]
 BASELINE = "diloco"
 
@@ -177,13 +188,15 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{lm.GLOBAL_BATCH}). DiLoCo: period 32, outer Nesterov lr 1.0, momentum 0.3. "
         "int8/int4: blockwise absmax quantization, one fp32 scale per 128 values, quantized "
         "reduce-scatter (all-to-all) + fp32 sum + re-quantized all-gather, error feedback. "
-        "streaming-int4: fragments 4, sync_delay 2, alpha 0.5, int4. Evaluation of the "
+        "streaming-int4: fragments 4, sync_delay 2, alpha 0.5, int4 (-a0: alpha 0; -sync: sync_delay 0). "
+        "Evaluation of the "
         f"consensus every {meta['eval_every']} steps; DiLoCo rows train {meta['max_steps']} "
         f"steps (final val loss at that step; wall to {target} = first evaluation at or below "
         f"it), Mirrored stops at {target} (or after {meta['max_wall']:g} s). Medians over "
         f"seeds {meta['seeds_per_link']} per link. Bytes/outer step = worker 0's bytes sent + "
         "received per full-model synchronisation, as counted by the Comm (payload + "
-        "scales); Mirrored: per step. Wait = seconds worker 0's training thread was blocked "
+        "scales; prepare's broadcast of the model left out); Mirrored: per step. Wait = "
+        "seconds worker 0's training thread was blocked "
         "on outer all-reduces. Ratios vs DiLoCo fp32 are per seed (same seed, same link, "
         "run back to back in this invocation), then the median.",
         "",
@@ -234,7 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
     p.add_argument("--links", default="20mbit,100mbit",
                    help="comma list of tc rates (and/or lo)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
+    p.add_argument("--strategies", default=",".join(DEFAULT_ROWS),
                    help=f"comma list from {', '.join(STRATEGIES)}")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 1 seed, 20mbit, {', '.join(QUICK_STRATEGIES)}, 96 steps")
