@@ -131,12 +131,17 @@ def worker_main(cfg_path: str) -> int:
     timeout = float(cfg["timeout"])
     ctrl = _store(timeout)
     strategy, model, optimizer = _build(cfg)
+    built = strategy.metrics()  # prepare's traffic (rank 0 broadcasts the model)
+    setup_bytes = built["bytes_sent"] + built["bytes_received"]
     seed = int(cfg["seed"])
     X, Y, Xv, Yv = _data(cfg)
     loader = strategy.distribute_dataset((X, Y), int(cfg["global_batch"]), shuffle=True,
                                          seed=seed)
     sync, every, target = bool(cfg["sync"]), int(cfg["eval_every"]), float(cfg["target"])
     max_wall = float(cfg["max_wall"])
+    # False: train on to max_steps after the target (diloco_compression.py compares final
+    # losses at a fixed step count); the first time the target was reached is still kept.
+    stop_at_target = bool(cfg.get("stop_at_target", True))
     progress = None
     parties = world
     if not sync:
@@ -169,7 +174,7 @@ def worker_main(cfg_path: str) -> int:
             curve.append((wall, step, loss))
             if reached is None and loss <= target:
                 reached = (wall, step, loss)
-            stop = reached is not None or wall > max_wall
+            stop = (reached is not None and stop_at_target) or wall > max_wall
             ctrl.set(f"{_TAG}go/{step}", "stop" if stop else "go")
         else:
             stop = ctrl.get(f"{_TAG}go/{step}") == b"stop"
@@ -208,6 +213,11 @@ def worker_main(cfg_path: str) -> int:
         "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
         "bytes_sent_per_step": metrics["bytes_sent"] / steps,
         "comm_seconds": metrics["comm_seconds"],
+        # DiLoCo's outer step (benchmarks/diloco_compression.py): the seconds the training
+        # thread waited on outer all-reduces, and how many fragment syncs were applied.
+        "outer_wait_seconds": metrics.get("outer_wait_seconds"),
+        "outer_steps": metrics.get("outer_steps"),
+        "setup_bytes": setup_bytes,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "num_parameters": strategy.unwrap(model).num_parameters(),
     }
@@ -294,6 +304,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
            "eval_every": args.eval_every, "target": args.target, "max_steps": args.max_steps,
            "max_wall": args.max_wall,
+           "stop_at_target": getattr(args, "stop_at_target", True),
            "timeout": args.timeout, "result_dir": str(run_dir), "model": MODEL, "lr": LR,
            "global_batch": GLOBAL_BATCH}
     cfg_path = run_dir / "cfg.json"
@@ -368,6 +379,9 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
                                        "wall_seconds", "bytes_per_step",
                                        "bytes_sent_per_step", "comm_seconds",
                                        "num_parameters")})
+    out["outer_wait_seconds"] = chief.get("outer_wait_seconds")
+    out["outer_steps"] = chief.get("outer_steps")
+    out["setup_bytes"] = chief.get("setup_bytes")
     out["peak_rss_mb"] = [r["peak_rss_mb"] for r in ranks]
     out["worker_steps"] = [r["steps"] for r in ranks]
     return out

@@ -161,7 +161,7 @@ def test_diloco_compression_keyword_and_deprecated_alias() -> None:
         old = sg.DiLoCo(period=2, pseudo_grad_dtype="bf16", comm=Comm.single())
     assert old.compression == "bf16"
     with pytest.raises(ValueError, match="compression must be"):
-        sg.DiLoCo(period=2, compression="int8", comm=Comm.single())
+        sg.DiLoCo(period=2, compression="int2", comm=Comm.single())  # int8/int4: issue 24
 
 
 # ---------------------------------------------------------------------- parts alone

@@ -92,17 +92,20 @@ def test_check_choice_and_bool():
 
 
 def test_one_compression_table():
-    assert KINDS == {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+    assert KINDS == {None: None, "fp16": torch.float16, "bf16": torch.bfloat16,
+                     "int8": torch.int8, "int4": torch.uint8}
     assert COMPRESSIONS == {"fp16": torch.float16, "bf16": torch.bfloat16}
     for kind, dtype in KINDS.items():
-        assert check_compression(kind) == kind
+        assert check_compression(kind, kinds=tuple(KINDS)) == kind
         assert wire_dtype(kind) is dtype
     assert compression_dtype("bf16") is torch.bfloat16
 
 
 def test_check_compression_errors_name_keyword_kinds_and_fix():
     with pytest.raises(ValueError, match=r"^compression must be one of None, 'fp16' or 'bf16', "
-                                         r"got 'int8'. Fix: pass None, 'fp16' or 'bf16' \(None: "):
+                                         r"got 'int8'. Fix: pass None, 'fp16' or 'bf16' \(None: "
+                                         r"full precision\). 'int8' \(blockwise quantization\) "
+                                         r"is for outer synchronisation only"):
         check_compression("int8")
     with pytest.raises(ValueError, match=r"^compression must be one of None or 'bf16', got "
                                          r"'fp16'"):
@@ -112,7 +115,7 @@ def test_check_compression_errors_name_keyword_kinds_and_fix():
     with pytest.raises(ValueError, match="compression must be one of 'fp16' or 'bf16', got None"):
         compression_dtype(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="keys of compression.KINDS"):
-        check_compression(None, kinds=(None, "int4"))
+        check_compression(None, kinds=(None, "int2"))
 
 
 def test_int_argument_for_argparse():

@@ -7,7 +7,13 @@ what lets the tests run ranks as threads, each with a group of its own.
 Byte accounting counts the payload a bandwidth-optimal (ring) algorithm moves per rank:
 an all-reduce of ``S`` bytes sends and receives ``2 (W-1)/W * S``; an all-gather of ``S``
 bytes per rank sends and receives ``(W-1) * S``; a broadcast receives ``S`` on every
-non-root rank and sends ``S`` from the root.
+non-root rank and sends ``S`` from the root; an all-to-all of ``S`` bytes per rank (``W``
+chunks of ``S/W``) sends and receives ``(W-1)/W * S``.
+
+:meth:`Comm.all_reduce_quantized` (int8/int4 blockwise, :mod:`stratagem.quantize`) is built on
+the primitives :meth:`Comm.all_to_all` and :meth:`Comm.all_gather` only, so that a subclass
+(:class:`RelayComm`, ``stratagem.testing.FaultyComm``) changes how it travels, or injects
+faults into it, by overriding those primitives.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch.distributed.nn.functional  # noqa: F401  isort: skip
 
 from ._rendezvous import bound_tcp_store
 from .errors import PeerTimeoutError
+from .quantize import DEFAULT_BLOCK, check_block, dequantize, q_max, quantize
 
 __all__ = ["Comm", "NodeGroups", "new_group", "release_all", "live_backend_threads", "bucketed"]
 
@@ -561,6 +568,89 @@ class Comm:
         self.account(nbytes, nbytes, time.perf_counter() - t0)
         return out
 
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Equal-split all-to-all of a 1-D tensor whose length is a multiple of the world
+        size: chunk ``j`` of this rank's input goes to rank ``j``; chunk ``i`` of the returned
+        tensor came from rank ``i`` (chunk ``rank`` is this rank's own)."""
+        if self.world_size == 1:
+            return tensor.clone()
+        group = self._live_group()
+        tensor = tensor.contiguous()
+        if tensor.dim() != 1 or tensor.numel() % self.world_size:
+            raise ValueError(f"all_to_all needs a 1-D tensor whose length is a multiple of "
+                             f"world_size={self.world_size}, got shape {tuple(tensor.shape)}. "
+                             "Fix: pad it to a multiple of the world size")
+        out = torch.empty_like(tensor)
+        t0 = time.perf_counter()
+        self.num_collectives += 1
+        self._wait(group.alltoall_base(out, tensor, [], [], dist.AllToAllOptions()),
+                   "all_to_all")
+        nbytes = (self.world_size - 1) * tensor.numel() // self.world_size \
+            * tensor.element_size()
+        self.account(nbytes, nbytes, time.perf_counter() - t0)
+        return out
+
+    def all_reduce_quantized(self, tensor: torch.Tensor, kind: str, *,
+                             block: int = DEFAULT_BLOCK,
+                             lost: torch.Tensor | None = None) -> torch.Tensor:
+        """The **sum** over ranks of the 1-D fp32 ``tensor``, sent quantized (``kind`` "int8"
+        or "int4", one fp32 scale per ``block`` values; :mod:`stratagem.quantize`). Returns a
+        new tensor, bitwise identical on every rank; ``tensor`` is left as it is.
+
+        A quantized reduce-scatter, then a quantized all-gather: the tensor is padded to
+        ``W`` chunks of whole blocks; rank ``i`` quantizes chunk ``j`` and sends it to rank
+        ``j`` (one :meth:`all_to_all`); rank ``j`` dequantizes the ``W`` copies of its chunk,
+        sums them in fp32 (in rank order), re-quantizes the sum and every rank all-gathers the
+        quantized sums (one :meth:`all_gather`) and dequantizes them, its own included. So no
+        floating-point reduction happens on the wire, and everyone decodes the same bytes.
+        Bytes on the wire per rank: ``2 (W-1) P`` with ``P`` a chunk's payload (integers plus
+        scales), about ``(1 + 4/block)/4`` (int8) or ``(1/2 + 4/block)/4`` (int4) of a fp32
+        ring all-reduce.
+
+        ``lost`` (a tensor like ``tensor``, for error feedback) is filled with what this rank's
+        part of the result dropped: ``tensor`` minus its dequantized quantization, plus, on the
+        chunk this rank reduced, the fp32 sum minus its dequantized re-quantization. Summed
+        over ranks, the ``lost`` tensors are exactly the fp32 sum of the inputs minus the
+        returned sum (up to fp32 rounding), so adding them to the next call's inputs keeps
+        the running sum of the results within one call's error of the fp32 running sum.
+        Non-finite input gives a non-finite result on every rank (and ``lost`` zero there).
+        """
+        q_max(kind)
+        check_block(block)
+        if tensor.dim() != 1 or tensor.dtype != torch.float32:
+            raise ValueError(f"all_reduce_quantized needs a 1-D fp32 tensor, got shape "
+                             f"{tuple(tensor.shape)} dtype {tensor.dtype}. Fix: flatten it and "
+                             "cast it to float32")
+        if lost is not None and (lost.shape != tensor.shape or lost.dtype != tensor.dtype):
+            raise ValueError(f"lost must be a tensor like the input (shape "
+                             f"{tuple(tensor.shape)}, float32), got shape {tuple(lost.shape)} "
+                             f"dtype {lost.dtype}. Fix: pass torch.empty_like(tensor)")
+        n, world = tensor.numel(), self.world_size
+        chunk = -(-max(n, 1) // (world * block)) * block  # values per rank, whole blocks
+        padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
+        padded[:n].copy_(tensor.detach())
+        pieces = padded.view(world, chunk)
+        sent = [quantize(pieces[j], kind, block) for j in range(world)]
+        size = sent[0].numel()
+        mine = self.rank
+        drop = torch.empty_like(padded) if lost is not None else None
+        if drop is not None:
+            for j in range(world):
+                drop[j * chunk:(j + 1) * chunk] = pieces[j] - dequantize(sent[j], kind, chunk,
+                                                                         block)
+        received = self.all_to_all(torch.cat(sent)).view(world, size)
+        total = dequantize(received[0], kind, chunk, block)
+        for i in range(1, world):
+            total += dequantize(received[i], kind, chunk, block)
+        summed = quantize(total, kind, block)
+        gathered = self.all_gather(summed)
+        out = torch.cat([dequantize(g, kind, chunk, block) for g in gathered])
+        if drop is not None and lost is not None:
+            own = slice(mine * chunk, (mine + 1) * chunk)
+            drop[own] += total - out[own]
+            lost.copy_(torch.nan_to_num(drop[:n], nan=0.0, posinf=0.0, neginf=0.0))
+        return out[:n].clone() if world * chunk != n else out
+
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """All-gather variable-length byte strings (sizes first, then padded payloads)."""
         if self.world_size == 1:
@@ -698,6 +788,11 @@ class RelayComm(Comm):
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return self.inter.all_gather(tensor)
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        # all_reduce_quantized, inherited, thus runs on the cross-node group: every local
+        # rank sends the whole (quantized) tensor across nodes, unlike the relayed all_reduce.
+        return self.inter.all_to_all(tensor)
 
     def split(self, groups: Sequence[Sequence[int]], *, name: str = "split") -> Comm:
         raise NotImplementedError("split the underlying Comms, not a RelayComm")

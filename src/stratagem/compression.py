@@ -22,6 +22,13 @@ push path: both hand a flat gradient and a key to :meth:`ErrorFeedback.compress`
 keyword (Mirrored, the parameter-server push, DiLoCo's pseudo-gradients, the PS wire) is
 checked with :func:`check_compression` and mapped to its wire dtype with :func:`wire_dtype`,
 so that a new kind is added here once.
+
+The quantized kinds ``"int8"`` and ``"int4"`` (blockwise absmax quantization with one fp32
+scale per :data:`~stratagem.quantize.DEFAULT_BLOCK` values, :mod:`stratagem.quantize`) are in
+the same table, but only outer synchronisation accepts them (``DiLoCo``, and ``Hierarchical``
+with a DiLoCo outer): their all-reduce is
+:meth:`~stratagem.comm.Comm.all_reduce_quantized`, never a cast. Every other caller keeps the
+default ``kinds`` of :func:`check_compression` (:data:`CAST_KINDS`) and refuses them.
 """
 
 from __future__ import annotations
@@ -33,30 +40,42 @@ import torch
 
 from .validation import describe_choices
 
-__all__ = ["KINDS", "COMPRESSIONS", "CompressionContext", "ErrorFeedback", "check_compression",
+__all__ = ["KINDS", "CAST_KINDS", "QUANTIZED_KINDS", "OUTER_KINDS", "COMPRESSIONS", "CompressionContext", "ErrorFeedback", "check_compression",
            "compress", "compression_dtype", "decompress", "wire_dtype"]
 
 #: Every value a ``compression=`` keyword accepts, and the dtype it puts on the wire
 #: (``None``: no compression, tensors travel in their own dtype).
+#: (``"int8"``/``"int4"``: the dtype of the packed integers; the fp32 scales travel beside.)
 KINDS: dict[str | None, torch.dtype | None] = {
     None: None,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "int4": torch.uint8,
 }
 
-#: The lossy kinds only (``KINDS`` without ``None``), for code that compresses for sure.
+#: The kinds sent by casting (what ``check_compression`` accepts unless told otherwise).
+CAST_KINDS: tuple[str | None, ...] = (None, "fp16", "bf16")
+#: The blockwise-quantized kinds (:mod:`stratagem.quantize`): outer synchronisation only.
+QUANTIZED_KINDS: tuple[str, ...] = ("int8", "int4")
+#: What an outer synchronisation (DiLoCo's pseudo-gradients) accepts.
+OUTER_KINDS: tuple[str | None, ...] = CAST_KINDS + QUANTIZED_KINDS
+
+#: The lossy cast kinds only, for code that compresses by casting for sure.
 COMPRESSIONS: dict[str, torch.dtype] = {k: v for k, v in KINDS.items()
-                                        if k is not None and v is not None}
+                                        if k is not None and v is not None
+                                        and v.is_floating_point}
 
 
 def check_compression(value: object, *, name: str = "compression",
                       kinds: tuple[str | None, ...] | None = None) -> str | None:
-    """``value`` if it is a compression kind (a key of :data:`KINDS`, or of the subset
-    ``kinds`` a caller supports); else ``ValueError`` naming the valid kinds and the fix.
+    """``value`` if it is a compression kind the caller supports (``kinds``, a subset of
+    :data:`KINDS`; by default :data:`CAST_KINDS`); else ``ValueError`` naming the valid kinds
+    and the fix (and, for a quantized kind given where it is not supported, where it is).
 
     ``name`` is the keyword the user passed (kept in the message so it points at their
     argument)."""
-    allowed = tuple(KINDS) if kinds is None else kinds
+    allowed = CAST_KINDS if kinds is None else kinds
     unknown = [k for k in allowed if k not in KINDS]
     if unknown:
         raise ValueError(f"kinds must be keys of compression.KINDS {list(KINDS)}, got {unknown}")
@@ -66,15 +85,21 @@ def check_compression(value: object, *, name: str = "compression",
         ok = False
     if not ok:
         choices = describe_choices(allowed)
+        where = ""
+        if ok is False and value in QUANTIZED_KINDS:
+            where = (f". {value!r} (blockwise quantization) is for outer synchronisation only: "
+                     "DiLoCo(compression=...) or Hierarchical(outer='diloco', "
+                     "outer_compression=...)")
         raise ValueError(f"{name} must be one of {choices}, got {value!r}. Fix: pass "
-                         f"{choices}" + (" (None: full precision)" if None in allowed else ""))
+                         f"{choices}" + (" (None: full precision)" if None in allowed else "")
+                         + where)
     return value  # type: ignore[return-value]
 
 
 def wire_dtype(kind: str | None) -> torch.dtype | None:
-    """The dtype ``kind`` sends (``None`` for no compression); ``ValueError`` for an unknown
-    kind."""
-    return KINDS[check_compression(kind)]
+    """The dtype ``kind`` sends (``None`` for no compression; the packed integers' dtype for
+    a quantized kind); ``ValueError`` for an unknown kind."""
+    return KINDS[check_compression(kind, kinds=tuple(KINDS))]
 
 
 @dataclass(frozen=True)
@@ -171,6 +196,14 @@ class ErrorFeedback:
     def discard(self) -> None:
         """Drop the pending residuals (deferred mode): the update was skipped."""
         self._pending = {}
+
+    def keys(self) -> list[Hashable]:
+        """The keys holding a committed residual."""
+        return list(self._residual)
+
+    def seed(self, key: Hashable, residual: torch.Tensor) -> None:
+        """Set the committed residual of ``key`` (a restored checkpoint's), unscaled."""
+        self._residual[key] = residual.detach().clone()
 
     def residual(self, key: Hashable) -> torch.Tensor | None:
         """The committed residual of ``key`` (unscaled), or None."""

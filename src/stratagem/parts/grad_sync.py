@@ -38,11 +38,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import Comm
 from ..compression import ErrorFeedback, compress
 from .base import Part
+from .tensors import gather_ranks, load_rank
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
 
 __all__ = ["GradientSync"]
+
+#: Checkpoint key prefix of the error-feedback residuals (per rank: ``ef_residual.rank{r}/``).
+_EF_KEY = "ef_residual"
 
 #: DDP's ``init_sync`` (torch >= 2.5; the package supports torch >= 2.4): whether its
 #: constructor checks the parameter shapes across ranks and broadcasts rank 0's parameters and
@@ -52,7 +56,9 @@ _DDP_TAKES_INIT_SYNC = "init_sync" in inspect.signature(DDP.__init__).parameters
 
 class _HookState:
     """What the comm hook needs: the communicator, the compression, the error-feedback
-    residuals and the current loss scale (residuals are kept unscaled)."""
+    residuals, the current loss scale (residuals are kept unscaled) and the per-parameter
+    residuals restored from a checkpoint (``id(param) -> flat tensor``), which seed a
+    bucket's residual the first time that bucket is compressed."""
 
     def __init__(self, comm: Comm, kind: "str | None", feedback: "ErrorFeedback | None",
                  scale_fn: Callable[[], float]) -> None:
@@ -60,6 +66,8 @@ class _HookState:
         self.kind = kind
         self.feedback = feedback
         self.scale_fn = scale_fn
+        self.restored: dict[int, torch.Tensor] = {}
+        self.sizes: dict[int, int] = {}  # id(param) -> numel, of the buckets seen
 
 
 def _allreduce_hook(state: _HookState,
@@ -78,7 +86,10 @@ def _allreduce_hook(state: _HookState,
             # DDP reduces buckets in index order: a new backward. Residuals still pending are
             # from a step the strategy skipped; they must not be committed.
             state.feedback.discard()
-        key = tuple(id(p) for p in bucket.parameters())
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        if state.feedback.residual(key) is None:
+            _seed_residual(state, key, [p.numel() for p in params], buf)
         send, _ = state.feedback.compress(key, buf, scale=state.scale_fn())
     else:
         send, _ = compress(buf, state.kind)
@@ -90,6 +101,36 @@ def _allreduce_hook(state: _HookState,
         return buf
 
     return comm.all_reduce_async(send).then(decompress)
+
+
+def _seed_residual(state: _HookState, key: tuple[int, ...], sizes: list[int],
+                   buf: torch.Tensor) -> None:
+    """A bucket compressed for the first time takes its parameters' residuals from a restored
+    checkpoint, or from the buckets that held them before (DDP regroups its buckets once,
+    after the first backward): nothing the casts dropped is lost to a regrouping or a
+    restore."""
+    assert state.feedback is not None
+    state.sizes.update(zip(key, sizes))
+    pieces: dict[int, torch.Tensor] = dict(state.restored)
+    for other in state.feedback.keys():
+        flat = state.feedback.residual(other)
+        if flat is None or not isinstance(other, tuple):
+            continue
+        offset = 0
+        for i in other:
+            n = state.sizes.get(i)
+            if n is None:
+                break
+            pieces.setdefault(i, flat[offset:offset + n])
+            offset += n
+    for i in key:
+        state.restored.pop(i, None)
+    parts = [pieces.get(i) for i in key]
+    if any(t is None for t in parts):
+        return
+    seeded = torch.cat([t.reshape(-1) for t in parts if t is not None])
+    if seeded.numel() == buf.numel():
+        state.feedback.seed(key, seeded.to(buf.dtype))
 
 
 def _sparse_allreduce(comm: Comm, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -162,6 +203,7 @@ class GradientSync(Part):
         self.error_feedback = error_feedback
         self.find_unused_parameters = find_unused_parameters
         self._feedback: list[ErrorFeedback] = []
+        self._hook_states: list[_HookState] = []
         self._wrappers: weakref.WeakSet[DDP] = weakref.WeakSet()
         wrappers = self._wrappers  # the callback must not keep the part alive
         comm.on_close(lambda: _release_wrappers(wrappers))
@@ -198,6 +240,8 @@ class GradientSync(Part):
             feedback = ErrorFeedback(self.compression, deferred=True)
             self._feedback.append(feedback)
         state = _HookState(self.comm, self.compression, feedback, self._scale)
+        if feedback is not None:
+            self._hook_states.append(state)
         ddp.register_comm_hook(state, _allreduce_hook)
         return ddp
 
@@ -218,6 +262,52 @@ class GradientSync(Part):
     def loaded(self, prepared: "Prepared") -> None:
         for feedback in self._feedback:
             feedback.reset()  # residuals of the pre-restore trajectory do not apply
+        for state in self._hook_states:
+            state.restored = {}
+
+    def _residuals(self, prepared: "Prepared") -> "tuple[list[str], list[torch.Tensor]]":
+        """This replica's committed error-feedback residual per parameter (zeros where there
+        is none yet), cut out of the bucket residuals (a bucket's buffer is its parameters'
+        gradients one after the other, in ``bucket.parameters()`` order)."""
+        by_id: dict[int, torch.Tensor] = {}
+        for feedback in self._feedback:
+            for key in feedback.keys():
+                flat = feedback.residual(key)
+                if flat is None or not isinstance(key, tuple):
+                    continue
+                offset = 0
+                params = {id(p): p for p in prepared.module.parameters()}
+                for i in key:
+                    p = params.get(i)
+                    if p is None:
+                        break
+                    by_id[i] = flat[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+        names, tensors = [], []
+        for name, p in prepared.module.named_parameters():
+            if p.requires_grad:
+                names.append(name)
+                tensors.append(by_id.get(id(p), torch.zeros_like(p)))
+        return names, tensors
+
+    def extra_state(self, prepared: "Prepared") -> "dict[str, torch.Tensor]":
+        if not self._feedback:
+            return {}
+        # Per replica: each one's residual is what its own compressed gradients lost.
+        names, tensors = self._residuals(prepared)
+        return gather_ranks(self.comm, names, tensors, _EF_KEY)
+
+    def load_extra_state(self, prepared: "Prepared", state: "dict[str, torch.Tensor]") -> None:
+        if not self._hook_states:
+            return
+        names, tensors = self._residuals(prepared)
+        fresh = [torch.zeros_like(t) for t in tensors]
+        if not load_rank(state, _EF_KEY, self.comm.rank, self.comm.world_size, names, fresh):
+            return  # another strategy or world size wrote it: residuals start at zero
+        params = dict(prepared.module.named_parameters())
+        restored = {id(params[n]): t for n, t in zip(names, fresh)}
+        for hook_state in self._hook_states:
+            hook_state.restored = dict(restored)
 
     def metrics(self) -> dict[str, Any]:
         if not self._feedback:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm
-from ..compression import check_compression
+from ..compression import OUTER_KINDS, check_compression
 from ..parts import OuterStep, ParameterAveraging, Part
 from ..parts.outer import OuterOptimizerFactory
 from ..strategy import Strategy
@@ -98,8 +98,16 @@ class DiLoCo(Strategy):
     ``outer_optimizer`` (a factory ``params -> torch.optim.Optimizer`` replacing the default
     SGD; then ``outer_lr``/``outer_momentum`` are not used), ``fragments`` (int, 1 <= fragments
     <= period and <= the number of parameter tensors), ``compression`` (None, "bf16" or
-    "fp16": the pseudo-gradient's dtype on the wire; ``pseudo_grad_dtype`` is its old,
-    deprecated name), plus the common strategy arguments.
+    "fp16": the pseudo-gradient's dtype on the wire; "int8" or "int4": blockwise quantization,
+    one fp32 scale per 128 values, all-reduced by ``Comm.all_reduce_quantized`` so every
+    replica decodes the same bytes, with error feedback whose residuals are checkpointed;
+    ``pseudo_grad_dtype`` is its old, deprecated name), ``sync_delay`` (Streaming DiLoCo's
+    tau, an int in ``[0, period // fragments)``: a fragment's outer all-reduce runs in the
+    background for that many inner steps before it is applied; 0 = synchronous), ``alpha``
+    (in [0, 1): when an outer step lands, a fragment's parameters become ``alpha * local +
+    (1 - alpha) * outer``; 0 = the outer parameters), plus the common strategy arguments.
+    Douillard et al., "Streaming DiLoCo with overlapping communication" (2025) use
+    ``fragments`` > 1, a small ``sync_delay``, ``alpha`` 0.5 and 4-bit pseudo-gradients.
 
     On failure: a dead or stalled peer makes the outer all-reduce fail within ``timeout``
     seconds and ``optimizer.step()`` raises ``PeerTimeoutError`` naming it; resume from the
@@ -116,7 +124,7 @@ class DiLoCo(Strategy):
     def __init__(self, *, period: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  outer_optimizer: OuterOptimizerFactory | None = None, fragments: int = 1,
                  compression: str | None = None, pseudo_grad_dtype: str | None = None,
-                 **common: Any) -> None:
+                 sync_delay: int = 0, alpha: float = 0.0, **common: Any) -> None:
         self.period = check_int(
             "period", period, minimum=1,
             fix="pass the number of inner steps between outer steps, e.g. 500")
@@ -145,7 +153,18 @@ class DiLoCo(Strategy):
                           "(one keyword for every strategy's wire compression)",
                           DeprecationWarning, stacklevel=2)
             compression = pseudo_grad_dtype
-        check_compression(compression)
+        check_compression(compression, kinds=OUTER_KINDS)
+        self.sync_delay = check_int(
+            "sync_delay", sync_delay, minimum=0,
+            fix="pass 0 for synchronous outer steps, or a few inner steps to overlap")
+        if sync_delay >= period // fragments:
+            raise ValueError(f"sync_delay must be < period // fragments = {period // fragments} "
+                             f"so that a fragment's outer all-reduce is applied before the next "
+                             f"fragment's starts, got sync_delay={sync_delay} (period={period}, "
+                             f"fragments={fragments}). Fix: lower sync_delay, or raise period")
+        self.alpha = check_number("alpha", alpha, low=0.0, high=1.0, high_open=True,
+                                  fix="pass 0 (take the outer parameters) or e.g. 0.5 (the "
+                                      "Streaming DiLoCo paper's mix)")
         super().__init__(**common)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -164,4 +183,5 @@ class DiLoCo(Strategy):
     def _build_parts(self, comm: Comm) -> list[Part]:
         factory = self.outer_optimizer or self._default_outer_optimizer
         return [OuterStep(comm, period=self.period, outer_optimizer=factory,
-                          fragments=self.fragments, compression=self.compression)]
+                          fragments=self.fragments, compression=self.compression,
+                          sync_delay=self.sync_delay, alpha=self.alpha)]

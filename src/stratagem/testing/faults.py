@@ -60,7 +60,7 @@ from ..comm import Comm
 __all__ = ["FaultyComm", "InjectedFault", "OPS"]
 
 #: The operations a fault can target: the collectives ``Comm`` and DDP issue on the group.
-OPS = ("all_reduce", "broadcast", "all_gather")
+OPS = ("all_reduce", "broadcast", "all_gather", "all_to_all")
 
 V = TypeVar("V")
 
@@ -182,6 +182,9 @@ class _FaultyGroup(dist.ProcessGroup):
 
     def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
         return self._owner._issue("all_gather", self._inner.allgather, args, kwargs)
+
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._owner._issue("all_to_all", self._inner.alltoall_base, args, kwargs)
 
 
 class _Shared(Generic[V]):
@@ -335,6 +338,11 @@ class FaultyComm(Comm):
         """:meth:`Comm.all_gather`, subject to the declared faults."""
         with self._blocking():
             return super().all_gather(tensor)
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """:meth:`Comm.all_to_all`, subject to the declared faults."""
+        with self._blocking():
+            return super().all_to_all(tensor)
 
     @contextlib.contextmanager
     def _blocking(self) -> Iterator[None]:
