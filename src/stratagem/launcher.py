@@ -501,10 +501,24 @@ class _Supervisor:
         self.readers.clear()
 
 
+def run_script(script: str, argv: Sequence[str], module: bool = False) -> None:
+    """Run a training script (or module) as ``__main__`` in this process, with ``argv``: the
+    worker body of ``stratagem run --fault-tolerant`` (workers started by :func:`launch`)."""
+    import runpy
+
+    sys.argv = [script, *argv]
+    if module:
+        runpy.run_module(script, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
 def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any, ...] = (),
            *, nnodes: int = 1, timeout: float | None = None,
-           env: Mapping[str, str] | None = None, max_restarts: int = 0,
-           restart: str = "all") -> list[Any]:
+           env: Mapping[str, str] | None = None, max_restarts: int | None = None,
+           restart: str = "all", fault_tolerant: bool = False,
+           min_replicas: int = 1) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` worker processes; return their results in rank order.
 
     Workers are started with the ``spawn`` method, so ``fn`` must be importable (defined at
@@ -527,12 +541,34 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     strategies whose workers share no process group (``comm=sg.Comm.single()``, the state on
     parameter-server shards). Each attempt sees its number in ``TORCHELASTIC_RESTART_COUNT``
     (per rank with ``"failed"``). When the budget is spent the failure is raised as above.
+
+    Fault tolerance (issue 22): ``fault_tolerant=True`` starts the quorum service (torchft's
+    Lighthouse, on loopback) and a job secret, makes each worker a replica of its own (a
+    strategy built in it with the default ``fault_tolerant=None`` turns fault tolerance on:
+    ``Mirrored``, ``LocalSGD``, ``DiLoCo``), and restarts a dead worker alone
+    (``restart="failed"``, ``max_restarts`` 10 per worker unless given): the survivors keep
+    training without it and heal it from a live peer when it is back. ``min_replicas`` is the
+    fewest replicas a quorum may have.
     """
     check_int("nprocs", nprocs, minimum=1, fix="pass e.g. nprocs=2")
     check_int("num_ps", num_ps, minimum=0, fix="pass 0 for no shards")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    if max_restarts is None:
+        max_restarts = 10 if fault_tolerant else 0
     check_int("max_restarts", max_restarts, minimum=0, fix="pass 0 to never restart")
+    check_int("min_replicas", min_replicas, minimum=1,
+              fix="pass the fewest live replicas training may continue with, e.g. 2")
+    if fault_tolerant:
+        if num_ps or nnodes != 1:
+            raise ValueError(
+                f"fault_tolerant=True runs replicated strategies on one node for now, got "
+                f"num_ps={num_ps}, nnodes={nnodes}. Fix: drop num_ps/nnodes, or launch "
+                "without fault tolerance")
+        if min_replicas > nprocs:
+            raise ValueError(f"min_replicas must be <= nprocs, got min_replicas={min_replicas} "
+                             f"> nprocs={nprocs}. Fix: lower min_replicas")
+        restart = "failed"
     check_choice("restart", restart, ("all", "failed"),
                  fix="'failed' restarts only the dead worker (async strategies without a "
                      "process group)")
@@ -541,6 +577,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     shards: PSShards | None = None
+    quorum: Any = None
     sup: _Supervisor | None = None
     # Port 0 lets the OS pick a free port with no race; the store lives as long as this call
     # and listens on loopback only (issue 10).
@@ -548,6 +585,10 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     try:
         if num_ps:
             shards = start_ps_shards(num_ps)
+        if fault_tolerant:
+            from .ft.launch import QuorumService
+
+            quorum = QuorumService(num_slots=nprocs, min_replicas=min_replicas)
         base = {**os.environ, **(env or {})}
         port = store.port
 
@@ -558,6 +599,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             if shards is not None:
                 wenv.update(shards.env())  # the shards' token file (issue 11)
             wenv.update(env or {})
+            if quorum is not None:
+                wenv.update(quorum.env(rank))
             wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker_main, args=(fn, tuple(args), w, os.getpid()),
@@ -615,4 +658,6 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             sup.stop_all()
         if shards is not None:
             shards.stop()
+        if quorum is not None:
+            quorum.stop()
         del store

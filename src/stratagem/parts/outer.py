@@ -22,7 +22,15 @@ import torch
 from ..comm import Comm, flatten, views
 from ..compression import wire_dtype
 from .base import Part
-from .tensors import average_, dtype_groups, gather_ranks, like, load_rank, local, synced_tensors
+from .tensors import (
+    average_committed_,
+    dtype_groups,
+    gather_ranks,
+    like,
+    load_rank,
+    local,
+    synced_tensors,
+)
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
@@ -116,20 +124,26 @@ class OuterStep(Part):
         st: _OuterState = prepared.state[self.name]
         return st
 
+    def syncs_at(self, prepared: Prepared, step: int) -> bool:
+        return step % self.period in self.offsets
+
     def after_update(self, prepared: Prepared) -> None:
         phase = prepared.local_steps % self.period
         for k, offset in enumerate(self.offsets):
             if offset == phase:
-                self.step(self._state(prepared), k)
-                if k == 0:
-                    average_(self.comm, [b for b in prepared.module.buffers()
-                                         if b.is_floating_point()])
+                buffers = ([b for b in prepared.module.buffers() if b.is_floating_point()]
+                           if k == 0 else [])
+                self.step(self._state(prepared), k, buffers)
 
-    def step(self, st: _OuterState, k: int) -> None:
+    def step(self, st: _OuterState, k: int, buffers: Sequence[torch.Tensor] = ()) -> None:
         """One outer step on fragment ``k``: all-reduce its pseudo-gradient, step the outer
-        optimizer, set the workers' parameters to the result."""
+        optimizer, set the workers' parameters to the result; ``buffers`` are averaged in the
+        same transaction. Under a fault-tolerant Comm a failed all-reduce applies nothing:
+        the workers keep their local parameters and the next outer step of the fragment
+        carries the whole drift since ``theta_prev``."""
         idx = st.fragments[k]
-        world = self.comm.world_size
+        self.comm.begin()
+        reduced = []
         with torch.no_grad():
             for group in dtype_groups([st.params[i] for i in idx]):
                 members = [idx[j] for j in group]
@@ -139,6 +153,12 @@ class OuterStep(Part):
                     delta.copy_(self.comm.all_reduce(delta.to(self.wire)))
                 else:
                     self.comm.all_reduce(delta)
+                reduced.append((members, params, delta))
+        if not average_committed_(self.comm, list(buffers)):
+            return
+        world = self.comm.world_size
+        with torch.no_grad():
+            for members, params, delta in reduced:
                 delta.div_(world)
                 for i, d in zip(members, views(delta, params), strict=True):
                     st.prev[i].grad = d
@@ -159,8 +179,9 @@ class OuterStep(Part):
         outer optimizer's state is left as it is, so training may continue. Calling it twice
         changes nothing (the workers are equal)."""
         st = self._state(prepared)
-        average_(self.comm, st.params)
-        average_(self.comm, [b for b in prepared.module.buffers() if b.is_floating_point()])
+        average_committed_(self.comm, st.params)
+        average_committed_(self.comm, [b for b in prepared.module.buffers()
+                                       if b.is_floating_point()])
         with torch.no_grad():
             for p, q in zip(st.params, st.prev, strict=True):
                 q.copy_(p)
@@ -204,6 +225,19 @@ class OuterStep(Part):
                 else:
                     st.optimizer.state[q][head[len("outer_"):]] = saved.clone()
         load_rank(state, "local", self.comm.rank, self.comm.world_size, st.names, st.params)
+
+    def heal_state(self, prepared: Prepared) -> dict[str, Any]:
+        st = self._state(prepared)
+        return {"prev": {n: q.detach() for n, q in zip(st.names, st.prev, strict=True)},
+                "optimizer": st.optimizer.state_dict(), "outer_steps": self.outer_steps}
+
+    def load_heal_state(self, prepared: Prepared, state: dict[str, Any]) -> None:
+        st = self._state(prepared)
+        with torch.no_grad():
+            for n, q in zip(st.names, st.prev, strict=True):
+                q.copy_(state["prev"][n])
+        st.optimizer.load_state_dict(state["optimizer"])
+        self.outer_steps = int(state["outer_steps"])
 
     def metrics(self) -> dict[str, Any]:
         return {"outer_steps": self.outer_steps}
