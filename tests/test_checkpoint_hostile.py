@@ -399,7 +399,7 @@ def test_bad_rng_fields_are_a_checkpoint_error(tmp_path: Path, rng: Any) -> None
     (json.dumps({"__tensor__": ["x"]}), "not stored"),
     (json.dumps([1, 2]), "bare JSON list"),
     ("[" * 5000 + "]" * 5000, "nested deeper than"),
-    (json.dumps({"__dict__": [[{"__list__": [1]}, 1]]}), "dict key is a list"),
+    (json.dumps({"__dict__": [[{"__list__": [1]}, 1]]}), "dict key is a dict, not str or int"),
 ])
 def test_malformed_skeletons_are_a_checkpoint_error(tmp_path: Path, skeleton: str,
                                                     text: str) -> None:

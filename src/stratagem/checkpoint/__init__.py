@@ -38,8 +38,11 @@ showed uncompressed members no larger than the file, and only when it holds tens
 The package is split by concept (torchtitan's checkpointer is the model): ``format`` (the
 files' bytes: safetensors, manifest, bounded parsing), ``storage`` (atomic versioned
 directories, ownership, verified reading), ``sharded`` (per-replica files of sharded state:
-each replica writes its own rows, a JSON index in the manifest) and ``state`` (what a strategy saves and restores,
-through its public state protocol). This module re-exports the public names.
+each replica writes its own rows, a JSON index in the manifest), ``state`` (what a strategy saves and restores,
+through its public state protocol, and any object with ``state_dict()``/``load_state_dict()``)
+and ``tree`` (the codec of nested state: tensors + a strict JSON skeleton, also used by the
+fault-tolerant heal transport, :mod:`stratagem.ft.transport`). This module re-exports the
+public names.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..errors import CheckpointError
+from .tree import decode, encode
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -97,13 +98,21 @@ def _json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
-def loads_checked(raw: bytes | str, what: str) -> Any:
-    """``json.loads`` bounded in depth; every failure is a ``CheckpointError``."""
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (non-finite floats are stored tagged)")
+
+
+def loads_checked(raw: bytes | str, what: str, *, strict: bool = False) -> Any:
+    """``json.loads`` bounded in depth; every failure is a ``CheckpointError``. ``strict``
+    also refuses the ``NaN``/``Infinity`` tokens Python's JSON accepts (what stratagem writes
+    tags them; format-1 checkpoint files may hold them untagged)."""
     data = raw.encode() if isinstance(raw, str) else raw
     if not _json_depth_ok(data):
         raise CheckpointError(f"{what}: JSON nested deeper than {MAX_JSON_DEPTH} levels. "
                               f"{CORRUPT_FIX}")
     try:
+        if strict:
+            return json.loads(data, parse_constant=_no_constant)
         return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{what} is not valid JSON ({exc}). {CORRUPT_FIX}") from exc
@@ -115,7 +124,8 @@ def dumps_checked(obj: Any, what: str, depth: int = MAX_JSON_DEPTH) -> str:
         text = json.dumps(obj, sort_keys=True, allow_nan=True)
     except (TypeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"cannot checkpoint {what}: not JSON-able ({exc}). Fix: extras must "
-                              "be tensors or JSON-able values (no pickle)") from exc
+                              "be tensors, JSON-able values or objects with state_dict() and "
+                              "load_state_dict() (no pickle)") from exc
     if not _json_depth_ok(text.encode(), depth):
         raise CheckpointError(f"cannot checkpoint {what}: nested deeper than {depth} "
                               "JSON levels (a Python dict/list level takes up to 3). Fix: "
@@ -123,76 +133,12 @@ def dumps_checked(obj: Any, what: str, depth: int = MAX_JSON_DEPTH) -> str:
     return text
 
 
-# ---------------------------------------------------------------------- state <-> (tensors, json)
-def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """Replace tensors in a nested structure by references; collect them in ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        key = prefix or "_"
-        tensors[key] = obj.detach().cpu().contiguous()
-        return {"__tensor__": key}
-    if isinstance(obj, dict):
-        return {"__dict__": [[_split(k, "", {}) if not isinstance(k, (str, int)) else k,
-                              _split(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return {"__list__" if isinstance(obj, list) else "__tuple__":
-                [_split(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise CheckpointError(f"cannot checkpoint a {type(obj).__name__} at {prefix!r}: only tensors, "
-                          "numbers, strings, None and dict/list/tuple of them are stored (no pickle)")
-
-
-def _join(obj: Any, tensors: dict[str, torch.Tensor], what: str) -> Any:
-    """Inverse of :func:`_split`; any shape it never writes is refused (recursion is bounded
-    by the depth check made before the JSON was parsed)."""
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            key = obj["__tensor__"]
-            if not isinstance(key, str) or key not in tensors:
-                raise CheckpointError(f"{what} refers to tensor {key!r:.80} that is not stored. "
-                                      f"{CORRUPT_FIX}")
-            return tensors[key]
-        if "__dict__" in obj:
-            items = obj["__dict__"]
-            if not isinstance(items, list) or not all(
-                    isinstance(kv, list) and len(kv) == 2 for kv in items):
-                raise CheckpointError(f"{what}: a stored dict is not a list of [key, value] "
-                                      f"pairs. {CORRUPT_FIX}")
-            out: dict[Any, Any] = {}
-            for k, v in items:
-                key = _join(k, tensors, what) if isinstance(k, dict) else k
-                if not isinstance(key, (str, int, float, bool, tuple)) or key is None:
-                    raise CheckpointError(f"{what}: a stored dict key is a "
-                                          f"{type(key).__name__}. {CORRUPT_FIX}")
-                try:
-                    out[key] = _join(v, tensors, what)
-                except TypeError as exc:  # a tuple key holding something unhashable
-                    raise CheckpointError(f"{what}: unusable dict key ({exc}). {CORRUPT_FIX}") from exc
-            return out
-        for tag, kind in (("__list__", list), ("__tuple__", tuple)):
-            if tag in obj:
-                values = obj[tag]
-                if not isinstance(values, list):
-                    raise CheckpointError(f"{what}: {tag} holds a {type(values).__name__}, not "
-                                          f"a list. {CORRUPT_FIX}")
-                return kind(_join(v, tensors, what) for v in values)
-        raise CheckpointError(f"{what}: unexpected entry in checkpoint JSON: "
-                              f"{sorted(map(str, obj))[:3]}. {CORRUPT_FIX}")
-    if isinstance(obj, list):
-        raise CheckpointError(f"{what}: a bare JSON list where a stored value was expected. "
-                              f"{CORRUPT_FIX}")
-    return obj
-
-
-def pack(obj: Any, what: str) -> bytes:
-    """A nested state as one byte string: safetensors (tensors + the JSON skeleton in its
-    metadata header), checked against the limits ``restore`` applies."""
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        skeleton = _split(obj, "", tensors)
-    except RecursionError as exc:
-        raise CheckpointError(f"cannot checkpoint {what}: nested too deeply. Fix: flatten the "
-                              "structure") from exc
+# ---------------------------------------------------------------------- state <-> bytes
+def pack(obj: Any, what: str, *, path: str = "") -> bytes:
+    """A nested state as one byte string: safetensors (tensors + the JSON skeleton of
+    :func:`.tree.encode` in its metadata header), checked against the limits ``restore``
+    applies. ``path`` prefixes the key paths named in refusals (``scheduler.lr_lambdas[0]``)."""
+    tensors, skeleton = encode(obj, what=what, path=path)
     data = save_tensors(tensors, {"skeleton": dumps_checked(skeleton, what)}, what)
     check_header(data, f"{what} (as written)")
     return data
@@ -203,7 +149,7 @@ def unpack(data: bytes, what: str) -> Any:
     tensors = load_tensors(data, what)
     skeleton = loads_checked(header.get("__metadata__", {}).get("skeleton", "null"),
                       f"{what} skeleton metadata")
-    return _join(skeleton, tensors, what)
+    return decode(tensors, skeleton, what=what)
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None,
@@ -452,7 +398,7 @@ def check_manifest(m: Any, where: Path) -> dict[str, Any]:
             if not (isinstance(aliases, dict) and all(isinstance(v, str) for v in aliases.values())):
                 raise _bad(where, f"objects[{key!r}].aliases", aliases,
                            "an object of alias -> stored name")
-        elif kind == "optimizer":
+        elif kind in ("optimizer", "stateful"):
             if not _int(entry.get("per_rank", 0), 0, 1 << 16):
                 raise _bad(where, f"objects[{key!r}].per_rank", entry.get("per_rank"),
                            "an int in [0, 65536]")
@@ -463,7 +409,8 @@ def check_manifest(m: Any, where: Path) -> dict[str, Any]:
                 raise _bad(where, f"objects[{key!r}].state", state,
                            "{'epoch': int >= 0, 'step_in_epoch': int >= 0, ...}")
         else:
-            raise _bad(where, f"objects[{key!r}].kind", kind, "module, optimizer or loader")
+            raise _bad(where, f"objects[{key!r}].kind", kind,
+                       "module, optimizer or loader (or stateful: an object's state_dict)")
     if not isinstance(m.get("extra", {}), dict):
         raise _bad(where, "extra", m.get("extra"), "an object")
     precision = m.get("precision", {})

@@ -6,11 +6,21 @@ state protocol (``Strategy.model_state``, ``strategy_state``, ``optimizer_state`
 with aliases, sees through ``torch.compile``'s ``_orig_mod.`` names, and hands the files to
 ``storage.commit``; ``restore`` reads them back through ``storage.resolve``, one rank's share
 each.
+
+Any other object with ``state_dict()`` and ``load_state_dict()`` (an LR scheduler, a
+``torch.amp.GradScaler``, a user's object: PyTorch DCP's ``Stateful`` protocol) is *stateful*:
+its ``state_dict()`` is stored through :mod:`.tree` (tensors in safetensors, the rest strict
+JSON, no pickle) in ``<key>.safetensors``, or in ``<key>.rank<r>.safetensors`` per rank when
+the replicas' states differ (a loss scale per asynchronous worker); ``restore`` hands it to
+the object's ``load_state_dict()`` in place. An LR scheduler restored without its optimizer
+sets the optimizer's learning rates to the restored ``_last_lr``, so the first step after a
+resume uses the scheduled rate.
 """
 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -153,6 +163,76 @@ def _load_into(strategy: Strategy, module: nn.Module, tensors: dict[str, torch.T
     strategy.load_model_state(module, _fit_module(target, tensors, aliases, what))
 
 
+# ---------------------------------------------------------------------- stateful objects
+#: File stems stratagem writes itself: no keyword may take them.
+_RESERVED_KEYS = frozenset({"strategy", "extra", "rng", "manifest"})
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows the ``state_dict()`` / ``load_state_dict()`` protocol (and is
+    not a class, a module, an optimizer or a loader, which have their own entries)."""
+    return (not isinstance(obj, type) and callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None)))
+
+
+def _save_stateful(comm: Any, key: str, obj: Any, files: dict[str, bytes]) -> dict[str, Any]:
+    """Store ``obj.state_dict()`` once when every replica holds the same, else per rank; every
+    rank takes part in the gathers even when its own state is refused, so a refusal on one
+    replica is an error on all of them instead of a hang."""
+    what = f"{key} (state_dict() of a {type(obj).__name__})"
+    blob, error = b"", None
+    try:
+        blob = pack(obj.state_dict(), what, path=key)
+    except CheckpointError as exc:
+        error = exc
+    digests = comm.all_gather_bytes(hashlib.sha256(blob).digest() if error is None else b"")
+    if error is not None:
+        raise error
+    if b"" in digests:
+        raise CheckpointError(f"cannot checkpoint {what}: rank {digests.index(b'')} refused "
+                              "its state (see its error)")
+    entry: dict[str, Any] = {"kind": "stateful", "type": type(obj).__name__, "per_rank": 0}
+    if len(set(digests)) == 1:
+        files[f"{key}.safetensors"] = blob
+    else:
+        for r, b in enumerate(comm.all_gather_bytes(blob)):
+            files[f"{key}.rank{r}.safetensors"] = b
+        entry["per_rank"] = comm.world_size
+    return entry
+
+
+def _check_key(key: str, obj: Any) -> None:
+    if KEY_RE.fullmatch(key) is None or key in _RESERVED_KEYS:
+        raise CheckpointError(f"cannot checkpoint {key!r}: a {type(obj).__name__} is stored in a "
+                              f"file named after its keyword, which must match {KEY_RE.pattern} "
+                              f"and not be one of {sorted(_RESERVED_KEYS)}. Fix: pass it under "
+                              "another name, e.g. model=..., optimizer=..., scheduler=...")
+
+
+def _sync_scheduler_lrs(scheduler: Any, restored: list[Any]) -> None:
+    """An LR scheduler restored without its optimizer: the optimizer's ``lr`` still holds the
+    initial rate, which the next step would use (and chainable schedules such as
+    ``CosineAnnealingLR`` would build on); set it to the restored ``_last_lr``."""
+    opt = getattr(scheduler, "optimizer", None)
+    last = getattr(scheduler, "_last_lr", None)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) or opt is None \
+            or not isinstance(last, list):
+        return
+    if any(o is opt or getattr(o, "optimizer", None) is opt
+           or getattr(opt, "optimizer", None) is o for o in restored):
+        return  # its optimizer was restored too: its saved lr is the scheduled one
+    groups = opt.param_groups
+    if len(last) != len(groups):
+        raise CheckpointError(f"the restored {type(scheduler).__name__} has {len(last)} learning "
+                              f"rates for an optimizer with {len(groups)} parameter groups. Fix: "
+                              "restore with the same parameter groups as the saved run")
+    for group, lr in zip(groups, last, strict=True):
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
 # ---------------------------------------------------------------------- save
 def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2,
          consolidate: bool = False, **state: Any) -> Path:
@@ -171,10 +251,9 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
     strategy_state: dict[str, torch.Tensor] = {}
     own: dict[str, bytes] = {}  # files this replica writes itself (sharded state)
     for key, obj in state.items():
-        if isinstance(obj, (nn.Module, torch.optim.Optimizer)) and KEY_RE.fullmatch(key) is None:
-            raise CheckpointError(f"cannot checkpoint {key!r}: modules and optimizers are stored "
-                                  "in files named after their keyword, which must match "
-                                  f"{KEY_RE.pattern}. Fix: pass it as e.g. model=...")
+        if isinstance(obj, (nn.Module, torch.optim.Optimizer)) or (
+                is_stateful(obj) and not isinstance(obj, DistributedLoader)):
+            _check_key(key, obj)
         if isinstance(obj, nn.Module):
             prepared = strategy.find_prepared(obj)
             raw = strategy.model_state(obj)
@@ -224,6 +303,8 @@ def save(strategy: Strategy, path: str | os.PathLike[str], *, keep_last: int = 2
                 manifest["objects"][key] = {"kind": "optimizer", "per_rank": 0}
         elif isinstance(obj, DistributedLoader):
             manifest["objects"][key] = {"kind": "loader", "state": obj.state_dict()}
+        elif is_stateful(obj):
+            manifest["objects"][key] = _save_stateful(comm, key, obj, files)
         elif isinstance(obj, torch.Tensor) or (isinstance(obj, (dict, list, tuple)) and _has_tensor(obj)):
             extra_tensors[key] = obj
         else:
@@ -319,7 +400,7 @@ def _wanted_by(rank: int, world_size: int, state: dict[str, Any]) -> Wanted:
                 names.update(sharded.shard_files(entry, str(key)))
             elif entry.get("kind") == "module":
                 names.add(entry["file"])
-            elif entry.get("kind") == "optimizer":
+            elif entry.get("kind") in ("optimizer", "stateful"):
                 per_rank = entry.get("per_rank", 0)
                 names.add(f"{key}.rank{rank % per_rank}.safetensors" if per_rank
                           else f"{key}.safetensors")
@@ -346,6 +427,8 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
     strategy_state = (member_tensors(directory, blobs, "strategy.safetensors")
                       if "strategy.safetensors" in files else {})
     result = extras_of(directory, manifest, blobs)
+    optimizers: list[Any] = []
+    schedulers: list[Any] = []
     for key, obj in state.items():
         entry = objects.get(key)
         if not isinstance(entry, dict):
@@ -386,14 +469,36 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
                     f"{directory / name} does not fit the {type(obj).__name__} given ({exc!r:.200}). "
                     "Fix: restore with the same optimizer class and parameter groups as the "
                     "saved one, or restore the model alone") from exc
+            optimizers.append(obj)
         elif isinstance(obj, DistributedLoader):
             if entry["kind"] != "loader":
                 raise CheckpointError(f"checkpoint {directory}: {key!r} is a saved "
                                       f"{entry['kind']}, not a loader")
             obj.load_state_dict(entry["state"])
+        elif is_stateful(obj):
+            if entry["kind"] != "stateful":
+                raise CheckpointError(f"checkpoint {directory}: {key!r} is a saved "
+                                      f"{entry['kind']}, not an object with load_state_dict(). "
+                                      f"Fix: pass {key}= the kind of object that was saved "
+                                      "under that name")
+            per_rank = int(entry.get("per_rank", 0))
+            name = f"{key}.rank{comm.rank % per_rank}.safetensors" if per_rank else f"{key}.safetensors"
+            value = unpack(member_bytes(directory, blobs, name), str(directory / name))
+            try:
+                obj.load_state_dict(value)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError,
+                    RuntimeError) as exc:
+                raise CheckpointError(
+                    f"{directory / name} (a saved {entry.get('type', 'object')!s:.80}) does not "
+                    f"fit the {type(obj).__name__} given: load_state_dict raised {exc!r:.200}. "
+                    f"Fix: restore {key}= with an object of the saved class and "
+                    "configuration") from exc
+            schedulers.append(obj)
         else:
-            raise TypeError(f"restore({key}=...) takes modules, optimizers and loaders; got "
-                            f"{type(obj).__name__}")
+            raise TypeError(f"restore({key}=...) takes modules, optimizers, loaders and objects "
+                            f"with load_state_dict(); got {type(obj).__name__}")
+    for obj in schedulers:
+        _sync_scheduler_lrs(obj, optimizers)
     strategy.precision.load_state_dict(manifest.get("precision", {}))
     rng_name = f"rng.rank{comm.rank}.safetensors"
     # RNG states are per rank: restored only when the job has as many ranks as the writer.

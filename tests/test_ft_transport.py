@@ -1,0 +1,373 @@
+"""The heal transport of fault-tolerant training (issue 22, Deliver 2; issue 25's rules):
+``stratagem.ft.transport.SafeHealTransport`` round-trips torchft's state dict bitwise, refuses
+a wrong token before sending anything, never unpickles (a hostile peer's pickle has no side
+effect), refuses oversized declarations before allocating, binds loopback only, and times
+out. Threads and loopback only."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import pickle
+import secrets
+import socket
+import struct
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
+
+import stratagem as sg  # noqa: E402
+from stratagem.ft import transport as ft_transport  # noqa: E402
+from stratagem.ft.transport import MAGIC, SafeHealTransport  # noqa: E402
+
+pytestmark = pytest.mark.timeout(30)
+TOKEN = secrets.token_bytes(32)
+T = timedelta(seconds=5)
+
+
+def _transport(token: bytes = TOKEN, **kw: Any) -> SafeHealTransport:
+    kw.setdefault("timeout", 5.0)
+    kw.setdefault("max_bytes", 1 << 24)
+    return SafeHealTransport(token=token, **kw)
+
+
+def _torchft_state() -> dict[str, Any]:
+    """What torchft's Manager._manager_state_dict hands over: model, optimizer (int keys),
+    ints, floats, strings, under "user", and the manager's own counters under "torchft"."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 5)).sum().backward()
+    opt.step()
+    return {
+        "user": {
+            "model": model.state_dict(),
+            "optim": opt.state_dict(),
+            "extra": {"bf16": torch.randn(3).bfloat16(), "ids": torch.arange(4),
+                      "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 3),
+                      "loss": 0.1 + 0.2, "inf": math.inf, "name": "run-1", "shape": (2, 3),
+                      "none": None, "big": 2 ** 62},
+        },
+        "torchft": {"step": 7, "batches_committed": 28},
+    }
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: {list(a)} != {list(b)}"
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b) and (a == b or (a != a and b != b)), f"{where}: {a!r} != {b!r}"
+
+
+# ---------------------------------------------------------------------- round trip
+def test_round_trip_bitwise_to_two_joiners_and_a_joiner_that_asks_first() -> None:
+    server, client, other = _transport(), _transport(), _transport()
+    try:
+        assert isinstance(server, CheckpointTransport)
+        state = _torchft_state()
+        # A joiner may ask before the live replica's send_checkpoint ran: it waits for it.
+        early: list[Any] = []
+        t = threading.Thread(target=lambda: early.append(
+            other.recv_checkpoint(0, server.metadata(), 7, T)))
+        t.start()
+        time.sleep(0.2)
+        server.send_checkpoint([1, 2], 7, state, T)
+        got = client.recv_checkpoint(0, server.metadata(), 7, T)
+        t.join(5)
+        for received in (got, early[0]):
+            _same(state, received)
+            assert list(received["user"]["optim"]["state"]) == [0, 1, 2, 3]  # int keys
+        # The state was encoded once, as a snapshot: changing it after send does not leak.
+        state["user"]["model"]["0.weight"].add_(1.0)
+        again = client.recv_checkpoint(0, server.metadata(), 7, T)
+        assert not again["user"]["model"]["0.weight"].equal(state["user"]["model"]["0.weight"])
+        # A wrong step is refused by the server, naming both.
+        with pytest.raises(sg.CheckpointError, match="serving step 7, asked for step 8"):
+            client.recv_checkpoint(0, server.metadata(), 8, T)
+        # After disallow_checkpoint nothing is served: the joiner times out.
+        server.disallow_checkpoint()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="timed out"):
+            client.recv_checkpoint(0, server.metadata(), 7, timedelta(seconds=0.5))
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        for x in (server, client, other):
+            x.shutdown()
+
+
+def test_sender_refuses_what_the_codec_cannot_store_and_oversized_states() -> None:
+    server = _transport(max_bytes=4096)
+    try:
+        with pytest.raises(sg.CheckpointError, match=r"user\.sched\.fn is a function"):
+            server.send_checkpoint([1], 1, {"user": {"sched": {"fn": lambda s: s}}}, T)
+        with pytest.raises(sg.CheckpointError, match="over max_bytes=4096.*Fix: raise max_bytes"):
+            server.send_checkpoint([1], 1, {"user": {"w": torch.zeros(2048)}}, T)
+    finally:
+        server.shutdown()
+
+
+def test_constructor_validates_its_arguments() -> None:
+    with pytest.raises(TypeError, match="token must be bytes"):
+        SafeHealTransport(token="secret-secret-secret", timeout=1.0, max_bytes=10)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        SafeHealTransport(token=b"short", timeout=1.0, max_bytes=10)
+    with pytest.raises(ValueError, match="timeout must be a finite number"):
+        SafeHealTransport(token=TOKEN, timeout=math.inf, max_bytes=10)
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 1"):
+        SafeHealTransport(token=TOKEN, timeout=1.0, max_bytes=0)
+
+
+# ---------------------------------------------------------------------- exposure
+def _listening(port: int) -> list[str]:
+    """Local addresses of this machine's listening TCP sockets on ``port`` (/proc/net)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.split(":")
+            if int(hex_port, 16) == port and state == "0A":
+                found.append(addr)
+    return found
+
+
+def test_server_binds_loopback_only_and_refuses_other_hosts() -> None:
+    server = _transport()
+    try:
+        host, port = server.metadata().rsplit(":", 1)
+        assert host == "127.0.0.1"
+        assert _listening(int(port)) == ["0100007F"]  # 127.0.0.1, nothing else
+    finally:
+        server.shutdown()
+    for host in ("0.0.0.0", "::", ""):
+        with pytest.raises(ValueError, match="every network interface"):
+            _transport(host=host, allow_remote=True)
+    with pytest.raises(ValueError, match="not a loopback address.*allow_remote=True"):
+        _transport(host="10.1.2.3")
+    client = _transport()
+    try:
+        with pytest.raises(sg.CheckpointError, match="not on loopback.*allow_remote"):
+            client.recv_checkpoint(0, "10.1.2.3:4000", 1, T)
+        with pytest.raises(sg.CheckpointError, match="no valid host and port"):
+            client.recv_checkpoint(0, "127.0.0.1:99999", 1, T)
+    finally:
+        client.shutdown()
+
+
+# ---------------------------------------------------------------------- authentication
+def test_wrong_token_is_refused_and_nothing_is_sent() -> None:
+    server = _transport()
+    good, bad = _transport(), _transport(token=secrets.token_bytes(32))
+    try:
+        server.send_checkpoint([1], 3, _torchft_state(), T)
+        with pytest.raises(sg.CheckpointError, match="refused our token"):
+            bad.recv_checkpoint(0, server.metadata(), 3, T)
+        # By hand: after a wrong MAC the server closes; not one byte past its greeting.
+        host, port = server.metadata().rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.settimeout(5)
+            hello = _read(s, 40)
+            assert hello[:8] == MAGIC
+            s.sendall(MAGIC + secrets.token_bytes(32) + struct.pack(">q", 3) + b"\0" * 32)
+            assert s.recv(1 << 16) == b""  # EOF: nothing sent
+        # A good client next to it is still served.
+        _same(good.recv_checkpoint(0, server.metadata(), 3, T), _torchft_state())
+    finally:
+        for x in (server, good, bad):
+            x.shutdown()
+
+
+def _read(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+# ---------------------------------------------------------------------- hostile servers
+class _Hostile:
+    """A fake heal server on loopback: ``behave(conn)`` speaks (or not) the protocol."""
+
+    def __init__(self, behave: Callable[[socket.socket], None]) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(10)
+        self.behave = behave
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn:
+            try:
+                self.behave(conn)
+            except OSError:
+                pass
+
+    @property
+    def metadata(self) -> str:
+        return f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(10)
+
+
+def _signed(token: bytes, tensors: bytes, text: bytes, *, step: int = 1,
+            declare: tuple[int, int] | None = None) -> Callable[[socket.socket], None]:
+    """A server that knows ``token`` and follows the protocol, sending the given parts."""
+
+    def behave(conn: socket.socket) -> None:
+        nonce = secrets.token_bytes(32)
+        conn.sendall(MAGIC + nonce)
+        auth = _read(conn, 80)
+        client_nonce = auth[8:40]
+        n_t, n_j = declare if declare is not None else (len(tensors), len(text))
+        head = struct.pack(">8sBqQQ32s32s", MAGIC, 0, step, n_t, n_j,
+                           hashlib.sha256(tensors).digest(), hashlib.sha256(text).digest())
+        mac = hmac.new(token, b"server\0" + client_nonce + nonce + head, hashlib.sha256).digest()
+        conn.sendall(head + mac + tensors + text)
+        time.sleep(0.5)
+
+    return behave
+
+
+class _Payload:
+    """Unpickling this creates a file: the side effect that must never happen."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_pickle_from_a_hostile_server_is_refused_and_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Payload(marker))
+    client = _transport()
+    cases = {
+        # no token: raw pickle bytes in place of the greeting
+        "raw": (lambda conn: conn.sendall(evil + b"\0" * 200), "not a stratagem heal server"),
+        # a peer with the token (a compromised replica): pickle as the tensor part
+        "tensors": (_signed(TOKEN, evil, b"null"), "header length|not a safetensors|not valid"),
+        # ... and as the JSON part
+        "json": (_signed(TOKEN, _st_empty(), evil), "not valid JSON"),
+        # without the token, a well-formed frame carrying a pickle
+        "unsigned": (_signed(secrets.token_bytes(32), evil, b"null"), "not signed with our token"),
+    }
+    try:
+        for name, (behave, text) in cases.items():
+            hostile = _Hostile(behave)
+            try:
+                with pytest.raises(sg.CheckpointError, match=text):
+                    client.recv_checkpoint(0, hostile.metadata, 1, T)
+            finally:
+                hostile.close()
+            assert not marker.exists(), f"{name}: the pickle ran"
+        # Check the probe itself: unpickling it does create the file.
+        pickle.loads(evil).close()
+        assert marker.exists()
+    finally:
+        client.shutdown()
+
+
+def _st_empty() -> bytes:
+    import safetensors.torch
+    return safetensors.torch.save({})
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_oversized_declaration_is_refused_before_allocation(signed: bool) -> None:
+    token = TOKEN if signed else secrets.token_bytes(32)
+    hostile = _Hostile(_signed(token, b"", b"", declare=(1 << 40, 1 << 30)))
+    client = _transport(max_bytes=1 << 20)
+    try:
+        tracemalloc.start()
+        try:
+            text = "over max_bytes=1048576; nothing was allocated" if signed else "not signed"
+            with pytest.raises(sg.CheckpointError, match=text):
+                client.recv_checkpoint(0, hostile.metadata, 1, T)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 256 << 10, peak  # well under max_bytes, let alone the 1 TiB declared
+    finally:
+        hostile.close()
+        client.shutdown()
+
+
+# ---------------------------------------------------------------------- timeouts
+def test_a_silent_or_trickling_server_times_out_within_the_timeout() -> None:
+    def silent(conn: socket.socket) -> None:
+        time.sleep(3)
+
+    def trickle(conn: socket.socket) -> None:  # one byte per 0.2 s: each recv succeeds
+        for b in MAGIC + b"\0" * 32:
+            conn.sendall(bytes([b]))
+            time.sleep(0.2)
+
+    client = _transport()
+    try:
+        for behave in (silent, trickle):
+            hostile = _Hostile(behave)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError, match="timed out"):
+                    client.recv_checkpoint(0, hostile.metadata, 1, timedelta(seconds=0.6))
+                assert time.monotonic() - t0 < 1.5
+            finally:
+                hostile.close()
+    finally:
+        client.shutdown()
+
+
+def test_a_client_that_never_authenticates_is_dropped_and_others_are_served() -> None:
+    server = _transport(timeout=0.5)
+    client = _transport()
+    try:
+        server.send_checkpoint([1], 2, {"user": {"w": torch.ones(3)}, "torchft": {"step": 2}}, T)
+        host, port = server.metadata().rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as idle:
+            idle.settimeout(5)
+            assert _read(idle, 40)[:8] == MAGIC
+            got = client.recv_checkpoint(0, server.metadata(), 2, T)  # served meanwhile
+            assert got["user"]["w"].equal(torch.ones(3))
+            t0 = time.monotonic()
+            assert idle.recv(1) == b""  # dropped after the server's timeout
+            assert time.monotonic() - t0 < 2.0
+    finally:
+        server.shutdown()
+        client.shutdown()
+    # shutdown closed the server and joined its thread.
+    assert not server._thread.is_alive()  # noqa: SLF001 - the join is the behaviour tested
+    assert ft_transport.MAX_CONNECTIONS >= 2
