@@ -99,3 +99,57 @@ def test_without_faults_replicas_stay_bitwise_equal_and_nothing_fails():
     results = run_replicas(_train, 3, args=(STRATEGIES["mirrored"], 10, None))
     _assert_equal(results)
     assert all(r[3] == 0 for r in results)
+
+
+def test_a_failed_collective_is_applied_nowhere_that_saw_it_and_the_replica_catches_up():
+    # Replica 1's all-reduce of step 5 is recorded as failed (it stays alive): it does not
+    # apply that step while its peers do, so it is one step behind; the next quorum heals it.
+    faults = ReplicaFaults().fail_collective(1, 5)
+    results = run_replicas(_train, 3, args=(STRATEGIES["mirrored"], 10, faults), faults=faults)
+    _assert_equal(results)
+    assert results[1][3] == 1 and results[1][2] == 1  # one failed step, one heal
+    assert results[0][3] == 0 and results[2][3] == 0
+
+
+def test_a_failed_outer_sync_is_not_applied_and_the_replicas_end_equal():
+    faults = ReplicaFaults().fail_collective(0, 4)  # DiLoCo's first outer step (period 4)
+    results = run_replicas(_train, 3, args=(STRATEGIES["diloco"], 12, faults), faults=faults)
+    _assert_equal(results)
+    assert results[0][3] == 1
+
+
+_builds: list[int] = []
+
+
+def _train_other_model_on_restart(comm, steps, faults):
+    _builds.append(comm.slot)
+    width = 48 if _builds.count(comm.slot) > 1 else 32  # the replacement builds another model
+    return _train(comm, STRATEGIES["mirrored"], steps, faults, width=width)
+
+
+def test_a_joining_replica_with_another_model_is_refused_by_name():
+    _builds.clear()
+    faults = ReplicaFaults().fail_at(1, 3)
+    with pytest.raises(sg.ReplicaMismatchError, match=r"fc1.weight.*\[48, 20\]"):
+        run_replicas(_train_other_model_on_restart, 2, args=(8, faults), faults=faults,
+                     deadline=90)
+
+
+def test_a_quorum_below_min_replicas_fails_after_timeout_naming_the_missing_replica():
+    from stratagem.ft.comm import QuorumError
+
+    faults = ReplicaFaults().fail_at(1, 3, restart=False)
+    with pytest.raises(QuorumError, match=r"min_replicas=2.*slots not running: \[1\]") as info:
+        run_replicas(_train, 2, args=(STRATEGIES["mirrored"], 50, faults), faults=faults,
+                     min_replicas=2, timeout=4.0, deadline=90)
+    assert info.value.missing == (1,)
+
+
+@pytest.mark.parametrize("make", [lambda: sg.ParameterServer(fault_tolerant=True),
+                                  lambda: sg.ElasticAveraging(fault_tolerant=True),
+                                  lambda: sg.Hierarchical(inner=sg.Mirrored(),
+                                                          outer=sg.DiLoCo(),
+                                                          fault_tolerant=True)])
+def test_strategies_without_fault_tolerance_say_so(make):
+    with pytest.raises(ValueError, match="cannot run fault tolerant yet.*Mirrored, LocalSGD"):
+        make()

@@ -459,6 +459,15 @@ class _Supervisor:
         _, rank = max(failed, key=lambda f: (f[0], -f[1]))
         return self._error(rank)
 
+    def describe(self, rank: int) -> str:
+        """One line on why worker ``rank`` stopped (its exception, or its exit)."""
+        if rank in self.errors:
+            summary, tb = self.errors[rank]
+            last = tb.strip().splitlines()[-1] if tb.strip() else summary
+            return f"worker {rank} raised {last}"
+        code = self.procs[rank].exitcode
+        return f"worker {rank} {describe_exitcode(code) if code is not None else 'vanished'}"
+
     def _exitcode(self, rank: int) -> int:
         code = self.procs[rank].exitcode
         return 0 if code is None else code
@@ -615,6 +624,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             sup.add(*start(rank, 0))
         # Issue 6: restart budget (total for "all", per rank for "failed").
         attempts = [0] * nprocs
+        last: dict[int, str] = {}
         all_reported: float | None = None
         while not sup.done:
             left = 3600.0 if deadline is None else deadline - time.monotonic()
@@ -639,9 +649,17 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                 continue
             # Issue 6: restarts. Every rank that exited without a result has failed.
             dead = sorted(r for r in sup.exited if r not in sup.results)
-            if restart == "failed" and all(attempts[r] < max_restarts for r in dead):
+            # The same exception twice in a row from one worker is a bug, not bad luck: no
+            # restart will mend it.
+            repeated = [r for r in dead if r in sup.errors and sup.describe(r) == last.get(r)]
+            last.update({r: sup.describe(r) for r in dead})
+            if restart == "failed" and not repeated \
+                    and all(attempts[r] < max_restarts for r in dead):
                 for r in dead:
                     attempts[r] += 1
+                    # Say why: a worker restarted in silence hides the bug that kills it.
+                    print(f"stratagem: {sup.describe(r)}; restarting worker {r} alone (restart "
+                          f"{attempts[r]} of {max_restarts})", file=sys.stderr, flush=True)
                     sup.restart(r, *start(r, attempts[r]))
                 continue
             if restart == "all" and attempts[0] < max_restarts:

@@ -226,6 +226,8 @@ class FaultTolerantComm(Comm):
         step_before = self.manager.current_step()
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.timeout))
+        except StratagemError:
+            raise  # the heal refused the peer's state (another model): said there
         except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError
             raise self._quorum_error(exc) from exc
         if self.manager.errored() is not None:
@@ -336,16 +338,24 @@ class FaultTolerantComm(Comm):
         self._error = self._error or exc
         self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
 
+    def _skipped(self) -> bool:
+        """True when a collective need not run (a world of one, or the step already failed);
+        it still counts as run, so the step's transaction is committed."""
+        if self._error is not None or self._world == 1:
+            self.num_collectives += 1
+            return True
+        return False
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._live_group()  # the quorum first: world_size is the quorum's
-        if self._error is not None:
-            return tensor  # the step already failed: the result is not used
+        if self._skipped():
+            return tensor  # a world of one, or the step failed: the result is not used
         return super().all_reduce(tensor, op)
 
     def all_reduce_async(self, tensor: torch.Tensor, *, nbytes: float | None = None
                          ) -> torch.futures.Future[torch.Tensor]:
         self._live_group()
-        if self._error is not None or self._world == 1:
+        if self._skipped():
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(tensor)
             return fut
@@ -366,13 +376,13 @@ class FaultTolerantComm(Comm):
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._live_group()
-        if self._error is not None:
+        if self._skipped():
             return [tensor.clone() for _ in range(self._world)]
         return super().all_gather(tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._live_group()
-        if self._error is not None:
+        if self._skipped():
             return tensor
         return super().broadcast(tensor, src)
 
