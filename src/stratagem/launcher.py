@@ -625,6 +625,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         # Issue 6: restart budget (total for "all", per rank for "failed").
         attempts = [0] * nprocs
         last: dict[int, str] = {}
+        ended: set[int] = set()
         all_reported: float | None = None
         while not sup.done:
             left = 3600.0 if deadline is None else deadline - time.monotonic()
@@ -649,6 +650,18 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                 continue
             # Issue 6: restarts. Every rank that exited without a result has failed.
             dead = sorted(r for r in sup.exited if r not in sup.results)
+            if fault_tolerant and sup.results:
+                # Issue 22: a replica has finished training, so the job is over; a replica lost
+                # now has nothing left to train (its peers hold the final model) and a
+                # replacement would find nobody to heal from.
+                for r in dead:
+                    if r not in ended:
+                        ended.add(r)
+                        print(f"stratagem: {sup.describe(r)} after replica(s) "
+                              f"{sorted(sup.results)} finished training; not restarted",
+                              file=sys.stderr, flush=True)
+                        sup.results[r] = None
+                continue
             # The same exception twice in a row from one worker is a bug, not bad luck: no
             # restart will mend it.
             repeated = [r for r in dead if r in sup.errors and sup.describe(r) == last.get(r)]

@@ -21,6 +21,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--strategy", default="mirrored")
 p.add_argument("--steps", type=int, default=120)
 p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--timeout", type=float, default=10.0)
 args = p.parse_args()
 slot = int(os.environ["STRATAGEM_FT_SLOT"])
 with open(os.path.join(args.out, f"pids.{slot}"), "a") as f:
@@ -32,9 +33,10 @@ labels = torch.randint(0, 10, (3000,), generator=g)
 x = centers[labels] + torch.randn(3000, 64, generator=g) * 2.0
 train, test = (x[:2400], labels[:2400]), (x[2400:], labels[2400:])
 
-make = {"mirrored": lambda: sg.Mirrored(timeout=10),
-        "local_sgd": lambda: sg.LocalSGD(period=4, timeout=10),
-        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=10)}[args.strategy]
+t = args.timeout
+make = {"mirrored": lambda: sg.Mirrored(timeout=t),
+        "local_sgd": lambda: sg.LocalSGD(period=4, timeout=t),
+        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t)}[args.strategy]
 strategy = make()
 torch.manual_seed(slot)
 model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))

@@ -126,12 +126,14 @@ class FaultTolerantComm(Comm):
                  min_replicas: int = 1, timeout: float = 60.0, host: str = "127.0.0.1",
                  job_store: dist.Store | None = None, device: torch.device | None = None,
                  transport: Any = None, max_heal_bytes: int = 64 << 30,
-                 allow_remote: bool = False) -> None:
+                 allow_remote: bool = False, joining: bool = False) -> None:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
 
         self._slot = slot
         self._num_slots = num_slots
+        #: A replacement for a lost replica: it must find a live peer to heal from.
+        self._joining = joining
         self.min_replicas = min_replicas
         self._rank = 0
         self._world = 1
@@ -143,6 +145,7 @@ class FaultTolerantComm(Comm):
         self._error: BaseException | None = None
         self.failed_steps = 0
         self.heals = 0
+        self._healed = False
         self.heal_seconds = 0.0
         self.quorums = 0
         self.last_heal_bytes = 0
@@ -215,6 +218,8 @@ class FaultTolerantComm(Comm):
     def _load(self, state: dict[str, Any]) -> None:
         if self._load_fn is not None:
             self._load_fn(state)
+        self.heals += 1
+        self._healed = True
 
     # ------------------------------------------------------------------ transactions
     def begin(self) -> None:
@@ -223,7 +228,7 @@ class FaultTolerantComm(Comm):
         if self._open:
             return
         t0 = time.perf_counter()
-        step_before = self.manager.current_step()
+        self._healed = False
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.timeout))
         except StratagemError:
@@ -243,9 +248,17 @@ class FaultTolerantComm(Comm):
         rank = self.manager.participating_rank()
         self._rank = 0 if rank is None else int(rank)
         self.last_quorum_size = self._world
-        if self.manager.current_step() != step_before:
-            self.heals += 1
+        if self._healed:
             self.heal_seconds += time.perf_counter() - t0
+        if self._joining:
+            self._joining = False
+            if self._world == 1 and not self._healed:
+                # Alone and nobody to heal from: the others finished (or all are lost).
+                # Training on alone from step 0 would produce a model nobody asked for.
+                raise QuorumError(
+                    f"replica {self.slot} was restarted but found no live replica to heal from "
+                    "(the job has finished, or every replica is lost). Fix: if training was "
+                    "not finished, restart the job from its last checkpoint")
         if self._world < self.min_replicas:
             raise QuorumError(
                 f"the quorum has {self._world} replica(s), fewer than min_replicas="

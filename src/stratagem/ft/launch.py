@@ -153,4 +153,5 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
         lighthouse=env[LIGHTHOUSE_ENV], slot=int(env[SLOT_ENV]), num_slots=int(env[SLOTS_ENV]),
         token=read_token_file(env[TOKEN_FILE_ENV]), min_replicas=max(floor, min_replicas),
         timeout=timeout, host=host, job_store=job_store, device=device,
-        allow_remote=not is_loopback(host))
+        allow_remote=not is_loopback(host),
+        joining=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0)

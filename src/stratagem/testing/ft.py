@@ -90,7 +90,7 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
     threads: list[threading.Thread] = []
     lock = threading.Lock()
 
-    def replica(slot: int) -> None:
+    def replica(slot: int, joining: bool) -> None:
         comm: FaultTolerantComm | None = None
         try:
             from torch.distributed import TCPStore
@@ -99,22 +99,23 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                              timeout=timedelta(seconds=30), wait_for_workers=False)
             comm = FaultTolerantComm(lighthouse=service.address(), slot=slot, num_slots=n,
                                      token=token, min_replicas=min_replicas, timeout=timeout,
-                                     job_store=store)
+                                     job_store=store, joining=joining)
             results[slot] = fn(comm, *args)
         except ReplicaDied:
             if comm is not None:
                 comm.kill()
                 comm = None
             if faults is not None and faults.restart:
-                start(slot)
+                start(slot, joining=True)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append((slot, exc, traceback.format_exc()))
         finally:
             if comm is not None:
                 comm.close()
 
-    def start(slot: int) -> None:
-        t = threading.Thread(target=replica, args=(slot,), daemon=True, name=f"replica{slot}")
+    def start(slot: int, joining: bool = False) -> None:
+        t = threading.Thread(target=replica, args=(slot, joining), daemon=True,
+                             name=f"replica{slot}")
         with lock:
             threads.append(t)
         t.start()
