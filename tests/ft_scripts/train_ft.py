@@ -22,8 +22,9 @@ p.add_argument("--strategy", default="mirrored")
 p.add_argument("--steps", type=int, default=120)
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--timeout", type=float, default=10.0)
+p.add_argument("--width", type=int, default=64)
 args = p.parse_args()
-slot = int(os.environ["STRATAGEM_FT_SLOT"])
+slot = int(os.environ.get("STRATAGEM_FT_SLOT", os.environ.get("RANK", "0")))
 with open(os.path.join(args.out, f"pids.{slot}"), "a") as f:
     f.write(f"{os.getpid()}\n")
 
@@ -39,7 +40,7 @@ make = {"mirrored": lambda: sg.Mirrored(timeout=t),
         "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t)}[args.strategy]
 strategy = make()
 torch.manual_seed(slot)
-model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+model = nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 model, opt = strategy.prepare(model, opt)
 loader = strategy.distribute_dataset(train, global_batch_size=60, seed=1)
@@ -52,6 +53,8 @@ for epoch in itertools.count():
         opt.zero_grad()
         with open(os.path.join(args.out, f"progress.{slot}"), "w") as f:
             f.write(str(strategy.steps))
+        with open(os.path.join(args.out, f"times.{slot}"), "a") as f:
+            f.write(f"{strategy.steps} {time.time():.6f}\n")
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if strategy.steps >= args.steps:
