@@ -1,5 +1,6 @@
 # Every target creates .venv if it is missing and installs the project into it.
 # torch is pinned here (the package itself declares torch>=2.4): an open range would pull a CUDA build.
+# torchft-nightly is pinned to the nightly tested here (a newer one may ask for a newer torch).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,8 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[examples,dev]'
+	$(BIN)/pip install -q --disable-pip-version-check torchft-nightly==2026.10.26
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[examples,dev,ft]'
 	touch $(STAMP)
 
 install: $(STAMP)

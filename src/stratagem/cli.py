@@ -214,6 +214,15 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
                    help="network interface for the workers' gloo/NCCL sockets on several nodes "
                         "(default: the interface this machine uses to reach --master-addr)")
     p.add_argument("--max-restarts", type=nonneg_int, default=None)
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="keep training through lost workers (Mirrored, LocalSGD, DiLoCo): "
+                        "start the quorum service, restart a dead worker alone (up to "
+                        "--max-restarts per worker, default 10) and heal it from a live peer; "
+                        "needs stratagem[ft]")
+    p.add_argument("--min-replicas", type=_nproc, default=1,
+                   help="with --fault-tolerant: the fewest live workers training continues "
+                        "with (a smaller quorum waits at most the strategy's timeout, then "
+                        "fails naming the missing workers)")
     p.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend (c10d...)")
     p.add_argument("--rdzv-endpoint", default=None)
     p.add_argument("--rdzv-id", default=None)
@@ -402,6 +411,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.strategy:
         env["STRATAGEM_STRATEGY"] = args.strategy
         env["STRATAGEM_STRATEGY_ARGS"] = json.dumps(strategy_args)
+    if args.fault_tolerant:
+        return _run_fault_tolerant(args, env)
     _set_subreaper()
     before = _children()
     shards = start_ps_shards(args.num_ps) if args.num_ps else None
@@ -413,6 +424,38 @@ def _run(args: argparse.Namespace) -> int:
         if shards is not None:
             shards.stop()
         _reap_orphans(keep=before)
+
+
+def _run_fault_tolerant(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """``stratagem run --fault-tolerant``: the workers run under :func:`stratagem.launch`'s
+    supervisor (not torchrun, which restarts every worker when one fails), each a replica of
+    its own; a dead one is restarted alone and heals from a live peer (issue 22)."""
+    from stratagem.errors import WorkerError
+    from stratagem.launcher import launch, run_script
+
+    if not _loopback_job(args) or args.num_ps:
+        print("stratagem run: error: --fault-tolerant runs on one node for now (the quorum "
+              "service, heal servers and stores listen on 127.0.0.1), without --num-ps. Fix: "
+              "drop --nnodes/--master-addr/--num-ps, or launch without --fault-tolerant",
+              file=sys.stderr)
+        return 2
+    if args.min_replicas > args.nproc:
+        print(f"stratagem run: error: --min-replicas {args.min_replicas} is more than --nproc "
+              f"{args.nproc}. Fix: lower --min-replicas", file=sys.stderr)
+        return 2
+    extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    extra.setdefault("RUST_LOG", "warn")
+    try:
+        launch(run_script, nprocs=args.nproc, args=(args.script, list(args.script_args),
+                                                     args.module),
+               env=extra, fault_tolerant=True, min_replicas=args.min_replicas,
+               max_restarts=args.max_restarts)
+    except WorkerError as e:
+        print(f"stratagem run: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 def _supervise(cmd: list[str], env: dict[str, str]) -> int:

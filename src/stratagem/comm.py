@@ -220,6 +220,49 @@ class Comm:
         if group is not None:
             _LIVE_COMMS.add(self)
 
+    # ------------------------------------------------------------------ transactions
+    #: True for a Comm whose membership survives lost replicas (``stratagem.ft``): its
+    #: collectives record failures instead of raising, and :meth:`commit` says whether the
+    #: step's results may be applied.
+    fault_tolerant = False
+    #: True when ``world_size`` may change between steps (replicas leave and join).
+    elastic = False
+
+    def begin(self) -> None:
+        """Open a transaction before the collectives of a synchronising step (a quorum, for a
+        fault-tolerant Comm). A no-op here: this Comm's membership never changes."""
+
+    def commit(self) -> bool:
+        """Close the transaction: True when the step's collectives succeeded everywhere, so
+        their results may be applied. Always True here (a failure raises instead)."""
+        return True
+
+    @property
+    def in_transaction(self) -> bool:
+        """True between :meth:`begin` and :meth:`commit` of a fault-tolerant Comm."""
+        return False
+
+    @property
+    def collectives_pending(self) -> bool:
+        """True when collectives ran in the open transaction (their results await
+        :meth:`commit`)."""
+        return False
+
+    @property
+    def slot(self) -> int:
+        """This replica's fixed place in the job as launched (data sharding uses it): the rank,
+        unless replicas may leave and join (``stratagem.ft``)."""
+        return self.rank
+
+    @property
+    def num_slots(self) -> int:
+        """The number of replicas the job was launched with (see :attr:`slot`)."""
+        return self.world_size
+
+    def ddp_group(self) -> dist.ProcessGroup | None:
+        """The process group ``DistributedDataParallel`` is built on: this Comm's own."""
+        return self.group
+
     # ------------------------------------------------------------------ nodes
     @property
     def num_nodes(self) -> int:

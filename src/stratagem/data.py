@@ -97,6 +97,7 @@ class DistributedLoader:
         self.num_workers = num_workers
         self.epoch = 0
         self._start_step = 0
+        self._resume_at: tuple[int, int] | None = None
         self.step_in_epoch = 0
         if self._n < num_replicas:
             raise ValueError(
@@ -127,6 +128,13 @@ class DistributedLoader:
         self._start_step = int(state["step_in_epoch"])
         self.step_in_epoch = self._start_step
 
+    def fast_forward(self, state: dict[str, int]) -> None:
+        """Continue from a live peer's position (a replica healed into a fault-tolerant job):
+        iterations for epochs before ``state["epoch"]`` yield nothing, and that epoch starts
+        at ``state["step_in_epoch"]``, so the user's own epoch loop catches up by itself."""
+        self._resume_at = (int(state["epoch"]), int(state["step_in_epoch"]))
+        self.epoch = max(self.epoch, self._resume_at[0])
+
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self._n)
@@ -144,6 +152,13 @@ class DistributedLoader:
         return batches
 
     def __iter__(self) -> Iterator[Any]:
+        if self._resume_at is not None:
+            epoch, step = self._resume_at
+            if self.epoch < epoch:
+                return  # an epoch the live replicas have finished
+            if self.epoch == epoch:
+                self._start_step = step
+            self._resume_at = None
         batches = self._index_batches()[self._start_step:]
         self.step_in_epoch = self._start_step
         self._start_step = 0

@@ -459,6 +459,15 @@ class _Supervisor:
         _, rank = max(failed, key=lambda f: (f[0], -f[1]))
         return self._error(rank)
 
+    def describe(self, rank: int) -> str:
+        """One line on why worker ``rank`` stopped (its exception, or its exit)."""
+        if rank in self.errors:
+            summary, tb = self.errors[rank]
+            last = tb.strip().splitlines()[-1] if tb.strip() else summary
+            return f"worker {rank} raised {last}"
+        code = self.procs[rank].exitcode
+        return f"worker {rank} {describe_exitcode(code) if code is not None else 'vanished'}"
+
     def _exitcode(self, rank: int) -> int:
         code = self.procs[rank].exitcode
         return 0 if code is None else code
@@ -501,10 +510,24 @@ class _Supervisor:
         self.readers.clear()
 
 
+def run_script(script: str, argv: Sequence[str], module: bool = False) -> None:
+    """Run a training script (or module) as ``__main__`` in this process, with ``argv``: the
+    worker body of ``stratagem run --fault-tolerant`` (workers started by :func:`launch`)."""
+    import runpy
+
+    sys.argv = [script, *argv]
+    if module:
+        runpy.run_module(script, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
 def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any, ...] = (),
            *, nnodes: int = 1, timeout: float | None = None,
-           env: Mapping[str, str] | None = None, max_restarts: int = 0,
-           restart: str = "all") -> list[Any]:
+           env: Mapping[str, str] | None = None, max_restarts: int | None = None,
+           restart: str = "all", fault_tolerant: bool = False,
+           min_replicas: int = 1) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` worker processes; return their results in rank order.
 
     Workers are started with the ``spawn`` method, so ``fn`` must be importable (defined at
@@ -527,12 +550,34 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     strategies whose workers share no process group (``comm=sg.Comm.single()``, the state on
     parameter-server shards). Each attempt sees its number in ``TORCHELASTIC_RESTART_COUNT``
     (per rank with ``"failed"``). When the budget is spent the failure is raised as above.
+
+    Fault tolerance (issue 22): ``fault_tolerant=True`` starts the quorum service (torchft's
+    Lighthouse, on loopback) and a job secret, makes each worker a replica of its own (a
+    strategy built in it with the default ``fault_tolerant=None`` turns fault tolerance on:
+    ``Mirrored``, ``LocalSGD``, ``DiLoCo``), and restarts a dead worker alone
+    (``restart="failed"``, ``max_restarts`` 10 per worker unless given): the survivors keep
+    training without it and heal it from a live peer when it is back. ``min_replicas`` is the
+    fewest replicas a quorum may have.
     """
     check_int("nprocs", nprocs, minimum=1, fix="pass e.g. nprocs=2")
     check_int("num_ps", num_ps, minimum=0, fix="pass 0 for no shards")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    if max_restarts is None:
+        max_restarts = 10 if fault_tolerant else 0
     check_int("max_restarts", max_restarts, minimum=0, fix="pass 0 to never restart")
+    check_int("min_replicas", min_replicas, minimum=1,
+              fix="pass the fewest live replicas training may continue with, e.g. 2")
+    if fault_tolerant:
+        if num_ps or nnodes != 1:
+            raise ValueError(
+                f"fault_tolerant=True runs replicated strategies on one node for now, got "
+                f"num_ps={num_ps}, nnodes={nnodes}. Fix: drop num_ps/nnodes, or launch "
+                "without fault tolerance")
+        if min_replicas > nprocs:
+            raise ValueError(f"min_replicas must be <= nprocs, got min_replicas={min_replicas} "
+                             f"> nprocs={nprocs}. Fix: lower min_replicas")
+        restart = "failed"
     check_choice("restart", restart, ("all", "failed"),
                  fix="'failed' restarts only the dead worker (async strategies without a "
                      "process group)")
@@ -541,6 +586,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     shards: PSShards | None = None
+    quorum: Any = None
     sup: _Supervisor | None = None
     # Port 0 lets the OS pick a free port with no race; the store lives as long as this call
     # and listens on loopback only (issue 10).
@@ -548,6 +594,10 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     try:
         if num_ps:
             shards = start_ps_shards(num_ps)
+        if fault_tolerant:
+            from .ft.launch import QuorumService
+
+            quorum = QuorumService(num_slots=nprocs, min_replicas=min_replicas)
         base = {**os.environ, **(env or {})}
         port = store.port
 
@@ -558,6 +608,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             if shards is not None:
                 wenv.update(shards.env())  # the shards' token file (issue 11)
             wenv.update(env or {})
+            if quorum is not None:
+                wenv.update(quorum.env(rank))
             wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker_main, args=(fn, tuple(args), w, os.getpid()),
@@ -572,6 +624,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             sup.add(*start(rank, 0))
         # Issue 6: restart budget (total for "all", per rank for "failed").
         attempts = [0] * nprocs
+        last: dict[int, str] = {}
+        ended: set[int] = set()
         all_reported: float | None = None
         while not sup.done:
             left = 3600.0 if deadline is None else deadline - time.monotonic()
@@ -596,9 +650,29 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                 continue
             # Issue 6: restarts. Every rank that exited without a result has failed.
             dead = sorted(r for r in sup.exited if r not in sup.results)
-            if restart == "failed" and all(attempts[r] < max_restarts for r in dead):
+            if fault_tolerant and sup.results:
+                # Issue 22: a replica has finished training, so the job is over; a replica lost
+                # now has nothing left to train (its peers hold the final model) and a
+                # replacement would find nobody to heal from.
+                for r in dead:
+                    if r not in ended:
+                        ended.add(r)
+                        print(f"stratagem: {sup.describe(r)} after replica(s) "
+                              f"{sorted(sup.results)} finished training; not restarted",
+                              file=sys.stderr, flush=True)
+                        sup.results[r] = None
+                continue
+            # The same exception twice in a row from one worker is a bug, not bad luck: no
+            # restart will mend it.
+            repeated = [r for r in dead if r in sup.errors and sup.describe(r) == last.get(r)]
+            last.update({r: sup.describe(r) for r in dead})
+            if restart == "failed" and not repeated \
+                    and all(attempts[r] < max_restarts for r in dead):
                 for r in dead:
                     attempts[r] += 1
+                    # Say why: a worker restarted in silence hides the bug that kills it.
+                    print(f"stratagem: {sup.describe(r)}; restarting worker {r} alone (restart "
+                          f"{attempts[r]} of {max_restarts})", file=sys.stderr, flush=True)
                     sup.restart(r, *start(r, attempts[r]))
                 continue
             if restart == "all" and attempts[0] < max_restarts:
@@ -615,4 +689,6 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             sup.stop_all()
         if shards is not None:
             shards.stop()
+        if quorum is not None:
+            quorum.stop()
         del store

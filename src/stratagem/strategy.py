@@ -243,6 +243,8 @@ class Strategy:
         comm: Comm | None = None,
         growth_interval: int = 2000,
         init_scale: float = 2.0**16,
+        fault_tolerant: bool | None = None,
+        min_replicas: int = 1,
     ) -> None:
         if accumulation_steps is not None and global_accumulation_steps is not None:
             raise ValueError(
@@ -258,6 +260,8 @@ class Strategy:
                          "workers, e.g. 8")
         check_number("timeout", timeout, low=0, low_open=True,
                      fix="pass the seconds a peer may stay silent, e.g. timeout=60")
+        self.fault_tolerant, self.min_replicas = self._check_fault_tolerance(
+            fault_tolerant, min_replicas, comm)
         self.device = torch.device(device) if device is not None else _default_device()
         self.timeout = float(timeout)
         self._prepared: list[Prepared] = []
@@ -286,9 +290,46 @@ class Strategy:
         # Called at the end of every step (add_step_end_hook): preemption checkpoints.
         # An OrderedDict: RemovableHandle holds it by weak reference (a plain dict cannot be).
         self._step_end_hooks: OrderedDict[int, StepEndHook] = OrderedDict()
+        # Fault tolerance: the loaders distribute_dataset made (a heal restores their
+        # positions) and positions received before a loader existed.
+        self._loaders: list[DistributedLoader] = []
+        self._healed_loaders: list[dict[str, int]] = []
+        self._failed_steps = 0
 
     def _comm_from_env(self) -> Comm:
+        if self.fault_tolerant:
+            from .ft.launch import comm_from_env  # torchft is an optional dependency
+
+            return comm_from_env(timeout=self.timeout, device=self.device,
+                                 min_replicas=self.min_replicas)
         return Comm.from_env(timeout=self.timeout, device=self.device)
+
+    #: True for the strategies that run under ``fault_tolerant=True`` (their parts commit
+    #: their collectives through the Comm's transactions).
+    _fault_tolerance = False
+
+    def _check_fault_tolerance(self, fault_tolerant: bool | None, min_replicas: int,
+                               comm: Comm | None) -> tuple[bool, int]:
+        """``fault_tolerant=None`` follows the launcher (``stratagem run --fault-tolerant``
+        sets ``STRATAGEM_FT_LIGHTHOUSE``); an explicit value wins, and a strategy that cannot
+        run fault tolerant says so when asked to."""
+        from .ft.env import launched_fault_tolerant
+
+        if fault_tolerant is not None and not isinstance(fault_tolerant, bool):
+            raise TypeError(f"fault_tolerant must be True, False or None (follow the launcher), "
+                            f"got {fault_tolerant!r}")
+        check_int("min_replicas", min_replicas, minimum=1,
+                  fix="pass the fewest live replicas training may continue with, e.g. 2")
+        if comm is not None:
+            wanted = bool(fault_tolerant) or comm.fault_tolerant
+        else:
+            wanted = launched_fault_tolerant() if fault_tolerant is None else fault_tolerant
+        if wanted and not self._fault_tolerance:
+            raise ValueError(
+                f"{type(self).__name__} cannot run fault tolerant yet (fault_tolerant=True, or "
+                f"launched with --fault-tolerant); supported: Mirrored, LocalSGD, DiLoCo. Fix: "
+                "use one of those, or launch without --fault-tolerant")
+        return wanted, min_replicas
 
     @property
     def comm(self) -> Comm:
@@ -365,6 +406,8 @@ class Strategy:
     # ------------------------------------------------------------------ identity
     @property
     def num_replicas_in_sync(self) -> int:
+        """Replicas synchronising now (under ``fault_tolerant=True``: the current quorum,
+        which changes when replicas leave or join)."""
         return self.comm.world_size
 
     @property
@@ -416,6 +459,16 @@ class Strategy:
                     "the real values on every worker. Fix: build the model on the CPU, or use "
                     "sg.Sharded(), which materialises only each worker's shards")
             self._check_replicas(module)  # the values are made after sharding (Sharded)
+        elif self.comm.fault_tolerant:
+            # The replicas are made equal by the first quorum, at the end of prepare: a heal
+            # from a live peer (which also checks the model's names, shapes and dtypes).
+            if self._prepared:
+                raise ValueError(
+                    "fault_tolerant=True supports one prepared model per strategy (a heal "
+                    "restores the state of every prepared model at once, at the first "
+                    "prepare). Fix: prepare one module holding both models, or train without "
+                    "fault tolerance")
+            module.to(self.device)
         else:
             module.to(self.device)
             self._initial_sync(module)
@@ -429,6 +482,10 @@ class Strategy:
         self._prepared.append(prepared)
         self._setup(prepared)
         self._set_grad_sync(prepared, self._micro + 1 >= self.accumulation_steps)
+        if self.comm.fault_tolerant:
+            self.comm.set_state_fns(self.heal_state,  # type: ignore[attr-defined]
+                                    self.load_heal_state)
+            self.comm.begin()  # the first quorum: a new or restarted replica heals here
         if not optimizers:
             return wrapped
         return (wrapped, *prepared.optimizers)
@@ -766,7 +823,13 @@ class Strategy:
         if self._synchronous_step and checks_agree and self.num_replicas_in_sync > 1:
             flag = torch.tensor([1.0 if nonfinite else 0.0])
             nonfinite = bool(self.comm.all_reduce(flag, "max").item() > 0)
-        if nonfinite:
+        # Fault tolerance: collectives already run in this step (the gradient all-reduce, the
+        # non-finite vote) must have succeeded everywhere before their result is applied.
+        # A plain Comm always commits.
+        committed = not self.comm.collectives_pending or self.comm.commit()
+        if not committed:
+            self._failed_steps += 1  # applied nowhere; the next quorum drops the lost replica
+        elif nonfinite:
             if not self.precision.uses_scaler and self.precision.on_nonfinite == "raise":
                 raise FloatingPointError(self._describe_nonfinite(opt))
             self.precision.update(True)
@@ -777,10 +840,23 @@ class Strategy:
             prepared.local_steps += 1
             self._steps += 1
             self._after_update(prepared, opt)
+        if self.comm.fault_tolerant and self._next_step_syncs(prepared):
+            # Membership changes (and heals) happen here, between steps, before any replica
+            # computes the step that will communicate.
+            self.comm.begin()
         # The step boundary is where a checkpoint is consistent (a skipped step is a
         # boundary too: every replica agreed to skip it); preemption hooks in here.
         for hook in list(self._step_end_hooks.values()):
             hook(opt)
+
+    def _next_step_syncs(self, prepared: Prepared) -> bool:
+        """Whether the next optimizer step of ``prepared`` runs a collective (its parts', or
+        the non-finite vote): a fault-tolerant Comm forms its quorum before such a step."""
+        checks_agree = self.precision.uses_scaler or self.precision.on_nonfinite == "skip"
+        if self._synchronous_step and checks_agree:
+            return True
+        step = prepared.local_steps + 1
+        return any(part.syncs_at(prepared, step) for part in self.parts)
 
     def add_step_end_hook(self, hook: StepEndHook) -> RemovableHandle:
         """Call ``hook(optimizer)`` at the end of every optimizer step that reached an
@@ -879,15 +955,24 @@ class Strategy:
     def distribute_dataset(self, dataset: Any, global_batch_size: int, shuffle: bool = True,
                            seed: int = 0, drop_remainder: bool = False, **kwargs: Any) -> DistributedLoader:
         """This replica's share of each global batch; see :class:`DistributedLoader`."""
-        return DistributedLoader(dataset, global_batch_size, num_replicas=self.num_replicas_in_sync,
-                                 replica_id=self.replica_id, shuffle=shuffle, seed=seed,
-                                 drop_remainder=drop_remainder, device=self.device, **kwargs)
+        # Sharded by the replicas' fixed places in the job as launched (under fault tolerance
+        # a missing replica's share is skipped, never handed to another), and registered so a
+        # healed replica resumes at its peers' position.
+        comm = self.comm
+        loader = DistributedLoader(dataset, global_batch_size, num_replicas=comm.num_slots,
+                                   replica_id=comm.slot, shuffle=shuffle, seed=seed,
+                                   drop_remainder=drop_remainder, device=self.device, **kwargs)
+        self._loaders.append(loader)
+        healed = self._healed_loaders
+        if len(self._loaders) <= len(healed):
+            loader.fast_forward(healed[len(self._loaders) - 1])
+        return loader
 
     def distribute_datasets_from_function(self, input_fn: Callable[[InputContext], Any]) -> Any:
         """Call ``input_fn(ctx)`` with this replica's ``InputContext`` and return its result."""
-        ctx = InputContext(num_input_pipelines=self.num_replicas_in_sync,
-                           input_pipeline_id=self.replica_id,
-                           num_replicas_in_sync=self.num_replicas_in_sync)
+        ctx = InputContext(num_input_pipelines=self.comm.num_slots,
+                           input_pipeline_id=self.comm.slot,
+                           num_replicas_in_sync=self.comm.num_slots)
         return input_fn(ctx)
 
     # ------------------------------------------------------------------ metrics
@@ -1018,6 +1103,64 @@ class Strategy:
     @steps.setter
     def steps(self, value: int) -> None:
         self._steps = check_int("steps", value, minimum=0, fix="pass the saved step count")
+
+    # ------------------------------------------------------------------ heal (fault tolerance)
+    def heal_state(self) -> dict[str, Any]:
+        """Everything a replica joining a fault-tolerant job needs to continue exactly as this
+        one: the prepared model (this replica's own tensors, not a consensus), its optimizers,
+        the parts' state (DiLoCo's outer parameters and momentum...), the step counters, the
+        loss scale and the loaders' positions. A tree of tensors and JSON values (the heal
+        transport sends it without pickle). Not a collective."""
+        models = []
+        for prepared in self._prepared:
+            module = {k: v.detach() for k, v in prepared.module.state_dict().items()}
+            models.append({
+                "module": module,
+                "signature": [[k, list(v.shape), str(v.dtype)] for k, v in module.items()],
+                "local_steps": prepared.local_steps,
+                "optimizers": [opt.optimizer.state_dict() for opt in prepared.optimizers],
+                "parts": {part.name: part.heal_state(prepared) for part in self.parts},
+            })
+        return {"steps": self._steps, "skipped": self._skipped,
+                "precision": self.precision.state_dict(), "models": models,
+                "loaders": [loader.state_dict() for loader in self._loaders]}
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`heal_state` of a live peer returned; ``ReplicaMismatchError``
+        naming the first difference when the peer's model is not this one (names, shapes,
+        dtypes), before anything is changed."""
+        models = state.get("models", [])
+        if len(models) != len(self._prepared):
+            raise ReplicaMismatchError(
+                f"a live peer has {len(models)} prepared model(s), this replica "
+                f"{len(self._prepared)}. Fix: run the same script on every replica")
+        for prepared, saved in zip(self._prepared, models):
+            mine = [[k, list(v.shape), str(v.dtype)]
+                    for k, v in prepared.module.state_dict().items()]
+            theirs = saved["signature"]
+            if mine != theirs:
+                first = next((f"{a} here, {b} on the peer" for a, b in zip(mine, theirs)
+                              if a != b), f"{len(mine)} tensors here, {len(theirs)} on the peer")
+                raise ReplicaMismatchError(
+                    f"this replica's model differs from the live replicas' ({first}); a "
+                    "replica joining a fault-tolerant job must build the same model. Fix: run "
+                    "the same script and model configuration on every replica")
+        with torch.no_grad():
+            for prepared, saved in zip(self._prepared, models):
+                own = prepared.module.state_dict()
+                for key, value in saved["module"].items():
+                    own[key].copy_(value)
+                prepared.local_steps = int(saved["local_steps"])
+                for opt, opt_state in zip(prepared.optimizers, saved["optimizers"]):
+                    opt.optimizer.load_state_dict(opt_state)
+                for part in self.parts:
+                    part.load_heal_state(prepared, saved["parts"].get(part.name, {}))
+        self._steps = int(state["steps"])
+        self._skipped = int(state["skipped"])
+        self.precision.load_state_dict(state["precision"])
+        self._healed_loaders = list(state.get("loaders", []))
+        for loader, position in zip(self._loaders, self._healed_loaders):
+            loader.fast_forward(position)
 
     def _find_prepared(self, model: nn.Module) -> Prepared | None:
         for p in self._prepared:

@@ -1,12 +1,14 @@
-"""Fault-tolerant synchronous training on torchft (issue 22): replicas that die are dropped at
-the next step, the others keep training, and a returning replica heals from a live peer.
+"""Fault-tolerant synchronous training on torchft (issue 22): jobs that keep training through
+lost replicas and heal a returning one live from a peer, with nothing unpickled.
 
-``stratagem.ft.transport`` holds :class:`~stratagem.ft.transport.SafeHealTransport`, the heal
-transport handed to ``torchft.Manager(checkpoint_transport=...)``: safetensors + strict JSON,
-token-authenticated, sizes bounded before allocation; nothing received is ever unpickled.
-Importing this package does not import torchft.
+- :mod:`stratagem.ft.comm`: :class:`FaultTolerantComm`, the Comm every part already talks
+  to, over torchft's Manager, quorum and reconfigurable process group;
+- :mod:`stratagem.ft.transport`: the heal transport (safetensors + strict JSON, token
+  authenticated, bounded), in place of torchft's pickling ones;
+- :mod:`stratagem.ft.launch`: the quorum service a launcher starts and each worker's Comm.
+
+torchft is an optional dependency (``pip install stratagem[ft]``); importing this package
+does not import it.
 """
-
-from __future__ import annotations
 
 __all__: list[str] = []

@@ -9,7 +9,15 @@ import torch
 
 from ..comm import Comm
 from .base import Part
-from .tensors import average_, gather_ranks, like, load_rank, local, mean_copy, synced_tensors
+from .tensors import (
+    average_committed_,
+    gather_ranks,
+    like,
+    load_rank,
+    local,
+    mean_copy,
+    synced_tensors,
+)
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
@@ -38,16 +46,20 @@ class ParameterAveraging(Part):
         names, tensors, _ = synced_tensors(prepared.module, buffers=True)
         return names, [local(t) for t in tensors]
 
+    def syncs_at(self, prepared: Prepared, step: int) -> bool:
+        return step <= self.warmup_steps or step % self.period == 0
+
     def after_update(self, prepared: Prepared) -> None:
-        step = prepared.local_steps
-        if step <= self.warmup_steps or step % self.period == 0:
-            average_(self.comm, self._tensors(prepared)[1])
-            self.averages += 1
+        if self.syncs_at(prepared, prepared.local_steps):
+            # Under a fault-tolerant Comm an average that failed is not applied: each replica
+            # keeps its local model and the next average includes it.
+            if average_committed_(self.comm, self._tensors(prepared)[1]):
+                self.averages += 1
 
     def finalize(self, prepared: Prepared) -> None:
         """Average now (the average the next period would make); the schedule is unchanged."""
-        average_(self.comm, self._tensors(prepared)[1])
-        self.averages += 1
+        if average_committed_(self.comm, self._tensors(prepared)[1]):
+            self.averages += 1
 
     def consensus(self, prepared: Prepared, state: dict[str, torch.Tensor]
                   ) -> dict[str, torch.Tensor]:

@@ -94,6 +94,21 @@ class Part:
         """Restore what ``extra_state`` returned (keys may be missing: another strategy or
         another layout wrote the checkpoint)."""
 
+    # ------------------------------------------------------------------ fault tolerance
+    def syncs_at(self, prepared: Prepared, step: int) -> bool:
+        """Whether ``after_update`` of local step ``step`` (or the backward before it) runs a
+        collective: a fault-tolerant Comm forms its quorum before such a step."""
+        return False
+
+    def heal_state(self, prepared: Prepared) -> dict[str, Any]:
+        """This replica's state of the part, for a replica joining a fault-tolerant job (a
+        tree of tensors and JSON values; not a collective). The module's own tensors travel
+        separately."""
+        return {}
+
+    def load_heal_state(self, prepared: Prepared, state: dict[str, Any]) -> None:
+        """Load what a live peer's :meth:`heal_state` returned."""
+
     def metrics(self) -> dict[str, Any]:
         return {}
 

@@ -212,7 +212,8 @@ class GradientSync(Part):
         return self.strategy.precision.scale if self.strategy is not None else 1.0
 
     def wrap_model(self, model: nn.Module, module: nn.Module) -> nn.Module:
-        if self.comm.world_size == 1:
+        # A fault-tolerant Comm may be a world of one now and grow later: always wrap.
+        if self.comm.world_size == 1 and not self.comm.elastic:
             return model
         device = module_device(module)
         extra: dict[str, Any] = {}
@@ -221,17 +222,23 @@ class GradientSync(Part):
         ddp = DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
-            process_group=self.comm.group,
+            process_group=self.comm.ddp_group(),
             bucket_cap_mb=self.bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters,
+            # A fault-tolerant Comm admits replicas whose DDP is new: DDP re-orders its buckets
+            # after its first backward unless find_unused_parameters, so a new replica's
+            # buckets would not line up with its peers' and the all-reduce would add up
+            # different parameters' gradients. With it, every replica keeps the same layout.
+            find_unused_parameters=self.find_unused_parameters or self.comm.elastic,
             **extra,
         )
         self._wrappers.add(ddp)
         # The built-in path needs every reduced parameter to get a gradient in every
         # backward (true unless find_unused_parameters) for the byte counter, and dense
         # gradients (a sparse payload depends on the rows touched).
+        # Under a fault-tolerant Comm DDP's own group is a world of one: the gradients travel
+        # through the hook, on the quorum's group.
         if (self.compression is None and not self.find_unused_parameters
-                and not _has_sparse_gradients(module)):
+                and not _has_sparse_gradients(module) and not self.comm.elastic):
             _count_builtin_allreduce(self.comm, ddp)
             return ddp
         feedback = None
@@ -253,6 +260,9 @@ class GradientSync(Part):
                 return
             model = inner
         model.require_backward_grad_sync = enabled
+
+    def syncs_at(self, prepared: "Prepared", step: int) -> bool:
+        return True
 
     def after_update(self, prepared: "Prepared") -> None:
         # The residuals computed in this step's backward belong to the update just applied.

@@ -34,7 +34,15 @@ from ..comm import Comm, flatten, views
 from ..compression import OUTER_KINDS, QUANTIZED_KINDS, check_compression, wire_dtype
 from ..quantize import DEFAULT_BLOCK, check_block
 from .base import Part
-from .tensors import average_, dtype_groups, gather_ranks, like, load_rank, local, synced_tensors
+from .tensors import (
+    average_committed_,
+    dtype_groups,
+    gather_ranks,
+    like,
+    load_rank,
+    local,
+    synced_tensors,
+)
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
@@ -209,6 +217,9 @@ class OuterStep(Part):
         st: _OuterState = prepared.state[self.name]
         return st
 
+    def syncs_at(self, prepared: Prepared, step: int) -> bool:
+        return step % self.period in self.offsets
+
     def after_update(self, prepared: Prepared) -> None:
         phase = prepared.local_steps % self.period
         st = self._state(prepared)
@@ -217,13 +228,13 @@ class OuterStep(Part):
             self._land(st)  # (a flight restored under another schedule lands at once)
         for k, offset in enumerate(self.offsets):
             if offset == phase:
+                buffers = ([b for b in prepared.module.buffers() if b.is_floating_point()]
+                           if k == 0 else [])
                 if self.sync_delay == 0:
-                    self.step(st, k)
+                    self.step(st, k, buffers)  # buffers averaged in the same transaction
                 else:
                     self._launch(st, k, (phase + self.sync_delay) % self.period)
-                if k == 0:
-                    average_(self.comm, [b for b in prepared.module.buffers()
-                                         if b.is_floating_point()])
+                    average_committed_(self.comm, buffers)
 
     # ------------------------------------------------------------------ one outer step
     def _pseudo_gradients(self, st: _OuterState, k: int) -> list[tuple[list[int], torch.Tensor]]:
@@ -288,12 +299,18 @@ class OuterStep(Part):
                     st.params[i].mul_(self.alpha).add_(st.prev[i], alpha=1.0 - self.alpha)
         self.outer_steps += 1
 
-    def step(self, st: _OuterState, k: int) -> None:
+    def step(self, st: _OuterState, k: int, buffers: Sequence[torch.Tensor] = ()) -> None:
         """One synchronous outer step on fragment ``k``: all-reduce its pseudo-gradient, step
-        the outer optimizer, set the workers' parameters to the result."""
+        the outer optimizer, set the workers' parameters to the result; ``buffers`` are
+        averaged in the same transaction. Under a fault-tolerant Comm a failed all-reduce
+        applies nothing (nor commits residuals): the workers keep their local parameters and
+        the fragment's next outer step carries the whole drift since ``theta_prev``."""
         t0 = time.perf_counter()
+        self.comm.begin()
         results = self._reduce(self.comm, self._pseudo_gradients(st, k))
         self.wait_seconds += time.perf_counter() - t0
+        if not average_committed_(self.comm, list(buffers)):
+            return
         self._apply(st, k, results)
 
     def _launch(self, st: _OuterState, k: int, apply_phase: int) -> None:
@@ -345,8 +362,9 @@ class OuterStep(Part):
         changes nothing (the workers are equal)."""
         st = self._state(prepared)
         self._land(st)  # an all-reduce in flight is applied first
-        average_(self.comm, st.params)
-        average_(self.comm, [b for b in prepared.module.buffers() if b.is_floating_point()])
+        average_committed_(self.comm, st.params)
+        average_committed_(self.comm, [b for b in prepared.module.buffers()
+                                       if b.is_floating_point()])
         with torch.no_grad():
             for p, q in zip(st.params, st.prev, strict=True):
                 q.copy_(p)
@@ -436,6 +454,31 @@ class OuterStep(Part):
             summed = flatten([state[f"{_PENDING_KEY}/{st.names[i]}"] for i in members])
             results.append((members, summed.to(dtype), None))
         st.flight = _Flight(k, apply_phase, None, results)
+
+    def heal_state(self, prepared: Prepared) -> dict[str, Any]:
+        st = self._state(prepared)
+        out: dict[str, Any] = {
+            "prev": {n: q.detach() for n, q in zip(st.names, st.prev, strict=True)},
+            "optimizer": st.optimizer.state_dict(), "outer_steps": self.outer_steps}
+        if st.residual is not None:  # the peer's error feedback: a healed replica continues it
+            out["residual"] = {n: e for n, e in zip(st.names, st.residual, strict=True)}
+        return out
+
+    def load_heal_state(self, prepared: Prepared, state: dict[str, Any]) -> None:
+        st = self._state(prepared)
+        with torch.no_grad():
+            for n, q in zip(st.names, st.prev, strict=True):
+                q.copy_(state["prev"][n])
+        st.optimizer.load_state_dict(state["optimizer"])
+        self.outer_steps = int(state["outer_steps"])
+        if st.residual is not None:
+            saved = state.get("residual", {})
+            with torch.no_grad():
+                for n, e in zip(st.names, st.residual, strict=True):
+                    if n in saved:
+                        e.copy_(saved[n])
+                    else:
+                        e.zero_()
 
     def metrics(self) -> dict[str, Any]:
         return {"outer_steps": self.outer_steps, "outer_wait_seconds": self.wait_seconds}

@@ -103,6 +103,28 @@ def average_(comm: Comm, tensors: Sequence[torch.Tensor]) -> None:
         torch._foreach_div_(list(tensors), comm.world_size)
 
 
+def average_committed_(comm: Comm, tensors: Sequence[torch.Tensor]) -> bool:
+    """:func:`average_` as one transaction of ``comm``: the means are computed in flat
+    buffers and copied into ``tensors`` only when the transaction commits (a fault-tolerant
+    Comm whose collective failed leaves the tensors as they were and returns False). On a
+    plain Comm the result is :func:`average_`'s, bitwise."""
+    comm.begin()
+    if not tensors or (comm.world_size == 1 and not comm.in_transaction):
+        return comm.commit()
+    with torch.no_grad():
+        flats = []
+        for idx in dtype_groups(tensors):
+            group = [tensors[i] for i in idx]
+            flats.append((group, comm.all_reduce(flatten(group))))
+        if not comm.commit():
+            return False
+        for group, flat in flats:
+            flat.div_(comm.world_size)
+            for t, v in zip(group, views(flat, group), strict=True):
+                t.copy_(v)
+    return True
+
+
 def mean_copy(comm: Comm, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The replicas' mean of ``tensors`` as new tensors (the replicas are left untouched)."""
     out: list[torch.Tensor] = [t.detach().clone() for t in tensors]

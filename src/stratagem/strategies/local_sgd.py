@@ -58,6 +58,7 @@ class LocalSGD(Strategy):
     name = "local_sgd"
     _hierarchy_roles = ("outer",)
     _synchronous_step = True
+    _fault_tolerance = True
     _local_optimizer_state = True
 
     def __init__(self, *, period: int = 8, warmup_steps: int = 0, **common: Any) -> None:
@@ -119,6 +120,7 @@ class DiLoCo(Strategy):
     name = "diloco"
     _hierarchy_roles = ("outer",)
     _synchronous_step = True
+    _fault_tolerance = True
     _local_optimizer_state = True
 
     def __init__(self, *, period: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,

@@ -38,6 +38,7 @@ class Mirrored(Strategy):
     name = "mirrored"
     _hierarchy_roles = ("inner",)
     _synchronous_step = True
+    _fault_tolerance = True
 
     def __init__(self, *, bucket_cap_mb: float = 25, compression: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False,

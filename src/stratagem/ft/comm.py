@@ -1,0 +1,456 @@
+"""``FaultTolerantComm``: a :class:`~stratagem.comm.Comm` whose world survives lost replicas.
+
+The engine is torchft (``pip install stratagem[ft]``): a Lighthouse quorum server, one
+``torchft.Manager`` per replica and a reconfigurable gloo process group. What this module adds
+is the shape stratagem's strategies already have: every collective a part runs goes through
+the Comm it was given, so a strategy made of parts becomes fault tolerant by being given this
+Comm instead of the plain one, with no branch in its own file.
+
+A *transaction* spans the collectives of one synchronising step:
+
+- :meth:`begin` (at a step boundary, before a step that will communicate) runs a quorum
+  with the Lighthouse. The quorum drops replicas that died, admits new or restarted ones, and
+  reconfigures the process group when membership changed. A replica whose committed step is
+  behind the others' is *healed* there: it receives the full training state of one live peer
+  (model, optimizers, strategy state, step counters, loss scale, data position) through
+  :class:`~stratagem.ft.transport.SafeHealTransport` (safetensors + strict JSON,
+  authenticated, bounded: never pickle) and loads it before the step starts, so it then
+  equals its peers bitwise.
+- Collectives run on the quorum's process group. A collective that fails (a peer's process
+  died: gloo reports the reset connection at once; a stalled peer: the group's ``timeout``)
+  does **not** raise: the error is recorded and the tensor's contents are undefined.
+- :meth:`commit` asks every replica of the quorum whether the step succeeded everywhere; the
+  strategy applies the step's result only on ``True``. A failed step is applied nowhere that
+  saw the failure; a replica that did commit while another did not is ahead by one step, and
+  the next quorum heals the other from it, so replicas never stay apart.
+
+``rank`` and ``world_size`` are the replica's place in the current quorum (they change when
+replicas leave or join). ``slot`` / ``num_slots`` are the replica's fixed place in the job as
+launched (``stratagem run --nproc N --fault-tolerant``: slots ``0..N-1``; a restarted worker
+takes its old slot), which is what data sharding uses: a missing replica's share of a global
+batch is not trained on while it is away (lost, never repeated).
+
+Listening sockets: the Lighthouse, each replica's manager server, heal transport and store
+bind ``host`` only (loopback on one node). torchft's manager server binds every interface
+(``[::]``) with no option to change it; :func:`_loopback_manager_server` rebinds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._rendezvous import bound_tcp_store
+from ..comm import Comm
+from ..errors import PeerTimeoutError, StratagemError
+
+__all__ = ["FaultTolerantComm", "QuorumError", "require_torchft"]
+
+#: Serialises the construction of managers (the manager-server rebinding patches a module
+#: attribute; tests build several managers at once in threads).
+_MANAGER_LOCK = threading.Lock()
+
+
+class QuorumError(StratagemError):
+    """No quorum of at least ``min_replicas`` replicas formed within ``timeout``."""
+
+    def __init__(self, message: str, *, missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def require_torchft() -> Any:
+    """Import torchft, or raise ``ImportError`` naming the extra that installs it."""
+    # torchft's Rust servers log every quorum and commit at INFO level (several lines per
+    # training step); its logger reads RUST_LOG once, when torchft is first imported.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+    except ImportError as exc:  # pragma: no cover - torchft is installed by make test
+        raise ImportError(
+            "fault_tolerant=True needs torchft, an optional dependency. Fix: pip install "
+            "'stratagem[ft]' (it installs torchft-nightly)") from exc
+    return torchft
+
+
+@contextlib.contextmanager
+def _loopback_manager_server(host: str) -> Iterator[None]:
+    """Build torchft's manager server on ``host`` instead of every interface (``[::]``)."""
+    import torchft.manager as tm
+
+    original = tm.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        kwargs["bind"] = f"{_bracket(host)}:0"
+        return original(**kwargs)
+
+    tm.ManagerServer = bound  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        tm.ManagerServer = original  # type: ignore[misc]
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class FaultTolerantComm(Comm):
+    """A Comm over the live replicas of a fault-tolerant job (see the module docstring).
+
+    Built by :meth:`from_env` in a worker of ``stratagem run --fault-tolerant`` /
+    ``sg.launch(..., fault_tolerant=True)``, or directly (tests): ``lighthouse`` is the quorum
+    server's address, ``slot`` / ``num_slots`` this replica's place in the job as launched,
+    ``token`` the job's secret for the heal transport.
+
+    On failure: a collective that fails makes the step's :meth:`commit` return False on the
+    replicas that saw it (the step is applied nowhere there) and the next :meth:`begin` forms
+    a new quorum without the lost replica. A quorum below ``min_replicas`` waits at most
+    ``timeout`` seconds, then raises :class:`QuorumError` naming the slots that are missing.
+    A healing replica whose model differs (names, shapes, dtypes) from its peer's raises
+    :class:`~stratagem.ReplicaMismatchError` naming the first difference.
+    """
+
+    fault_tolerant = True
+    elastic = True
+
+    def __init__(self, *, lighthouse: str, slot: int, num_slots: int, token: bytes,
+                 min_replicas: int = 1, timeout: float = 60.0, host: str = "127.0.0.1",
+                 job_store: dist.Store | None = None, device: torch.device | None = None,
+                 transport: Any = None, max_heal_bytes: int = 64 << 30,
+                 allow_remote: bool = False, joining: bool = False) -> None:
+        require_torchft()
+        from torchft import Manager, ProcessGroupGloo
+
+        self._slot = slot
+        self._num_slots = num_slots
+        #: A replacement for a lost replica: it must find a live peer to heal from.
+        self._joining = joining
+        self.min_replicas = min_replicas
+        self._rank = 0
+        self._world = 1
+        self._state_fn: Callable[[], dict[str, Any]] | None = None
+        self._load_fn: Callable[[dict[str, Any]], None] | None = None
+        self._open = False
+        self._inject = False
+        self._collectives_at_begin = 0
+        self._error: BaseException | None = None
+        self.failed_steps = 0
+        self.heals = 0
+        self._healed = False
+        self.heal_seconds = 0.0
+        self.quorums = 0
+        self.last_heal_bytes = 0
+        self.last_quorum_size = 0
+        self._job_store = job_store
+        # The replica group's own store (size-1 groups): peers read the quorum's process-group
+        # addresses from the store of the quorum's first member.
+        self._store = bound_tcp_store(host, 0, timeout=timedelta(seconds=max(timeout, 30.0)))
+        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+        if transport is None:
+            from .transport import SafeHealTransport
+
+            transport = SafeHealTransport(token=token, host=host, timeout=timeout,
+                                          max_bytes=max_heal_bytes, allow_remote=allow_remote)
+        self.transport = transport
+        with _MANAGER_LOCK, _loopback_manager_server(host):
+            self.manager = Manager(
+                pg=self._pg, load_state_dict=self._load, state_dict=self._state,
+                min_replica_size=min_replicas, use_async_quorum=False,
+                timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=timeout),
+                connect_timeout=timedelta(seconds=max(timeout, 10.0)), rank=0, world_size=1,
+                store_addr=host, store_port=self._store.port, lighthouse_addr=lighthouse,
+                replica_id=f"slot{slot}", hostname=host,
+                heartbeat_interval=timedelta(milliseconds=100),
+                checkpoint_transport=transport, init_sync=True)
+        super().__init__(self._pg, 0, 1, store=None, timeout=timeout, heartbeat=False,
+                         device=device)
+        self._beat = None
+        if job_store is not None:
+            from ..comm import _Heartbeat
+
+            # Liveness of every slot in the job's store: what names the missing replicas when
+            # a quorum cannot form.
+            self._beat = _Heartbeat(job_store, slot, lambda: self.quorums)
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def slot(self) -> int:
+        return self._slot
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property  # type: ignore[override]
+    def rank(self) -> int:
+        return self._rank
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank = value
+
+    @property  # type: ignore[override]
+    def world_size(self) -> int:
+        return self._world
+
+    @world_size.setter
+    def world_size(self, value: int) -> None:
+        self._world = value
+
+    def set_state_fns(self, state: Callable[[], dict[str, Any]],
+                      load: Callable[[dict[str, Any]], None]) -> None:
+        """What a heal sends (``state()``: a tree of tensors and JSON values) and how a healed
+        replica loads it. The strategy registers these at ``prepare``."""
+        self._state_fn, self._load_fn = state, load
+
+    def _state(self) -> dict[str, Any]:
+        return {} if self._state_fn is None else self._state_fn()
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if self._load_fn is not None:
+            self._load_fn(state)
+        self.heals += 1
+        self._healed = True
+
+    # ------------------------------------------------------------------ transactions
+    def begin(self) -> None:
+        """Form the quorum for the next synchronising step (heal this replica if it is
+        behind); idempotent while a transaction is open."""
+        if self._open:
+            return
+        t0 = time.perf_counter()
+        self._healed = False
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=self.timeout))
+        except StratagemError:
+            raise  # the heal refused the peer's state (another model): said there
+        except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError
+            raise self._quorum_error(exc) from exc
+        if self.manager.errored() is not None:
+            err = self.manager.errored()
+            original = getattr(err, "original_exception", err)
+            if isinstance(original, StratagemError):  # e.g. the heal found another model
+                raise original
+        self._open = True
+        self._error = None
+        self._collectives_at_begin = self.num_collectives
+        self.quorums += 1
+        self._world = max(1, self.manager.num_participants())
+        rank = self.manager.participating_rank()
+        self._rank = 0 if rank is None else int(rank)
+        self.last_quorum_size = self._world
+        if self._healed:
+            self.heal_seconds += time.perf_counter() - t0
+        if self._joining:
+            self._joining = False
+            if self._world == 1 and not self._healed:
+                # Alone and nobody to heal from: the others finished (or all are lost).
+                # Training on alone from step 0 would produce a model nobody asked for.
+                raise QuorumError(
+                    f"replica {self.slot} was restarted but found no live replica to heal from "
+                    "(the job has finished, or every replica is lost). Fix: if training was "
+                    "not finished, restart the job from its last checkpoint")
+        if self._world < self.min_replicas:
+            raise QuorumError(
+                f"the quorum has {self._world} replica(s), fewer than min_replicas="
+                f"{self.min_replicas}. Fix: restart the missing workers or lower min_replicas",
+                missing=tuple(self._missing_slots()))
+
+    def commit(self) -> bool:
+        """True when every replica of the quorum completed this transaction's collectives;
+        closes the transaction. Apply the step's result only on True."""
+        if not self._open:
+            return True
+        self._open = False
+        try:
+            ok = bool(self.manager.should_commit(timeout=timedelta(seconds=self.timeout)))
+        except Exception as exc:  # noqa: BLE001 - a peer died during the commit vote
+            self.manager.report_error(exc)
+            ok = False
+        if not ok:
+            self.failed_steps += 1
+        return ok
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._open
+
+    @property
+    def collectives_pending(self) -> bool:
+        return self._open and self.num_collectives > self._collectives_at_begin
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps committed by the quorum (torchft's step count)."""
+        return int(self.manager.current_step())
+
+    def _missing_slots(self) -> list[int]:
+        store = self._job_store
+        if store is None:
+            return []
+        alive = []
+        for slot in range(self.num_slots):
+            with contextlib.suppress(Exception):
+                if store.check([f"hb/{slot}"]):
+                    first = store.get(f"hb/{slot}")
+                    time.sleep(0.0)
+                    alive.append((slot, first))
+        time.sleep(1.5)
+        moving = set()
+        for slot, first in alive:
+            with contextlib.suppress(Exception):
+                if store.get(f"hb/{slot}") != first:
+                    moving.add(slot)
+        return [s for s in range(self.num_slots) if s not in moving]
+
+    def _quorum_error(self, exc: BaseException) -> QuorumError:
+        missing = self._missing_slots()
+        named = f"; slots not running: {missing}" if missing else ""
+        return QuorumError(
+            f"no quorum of at least min_replicas={self.min_replicas} replica(s) formed within "
+            f"timeout={self.timeout:g}s (this is slot {self.slot} of {self.num_slots}{named}). "
+            f"Fix: restart the missing workers, lower min_replicas, or raise timeout "
+            f"[{type(exc).__name__}: {exc}]", missing=tuple(missing))
+
+    # ------------------------------------------------------------------ collectives
+    def _live_group(self) -> dist.ProcessGroup:
+        self.begin()
+        return super()._live_group()
+
+    def _wait(self, work: Any, what: str) -> None:
+        """Record a failure instead of raising: the step will not commit."""
+        try:
+            ok = work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError
+            self._record(exc)
+            return
+        if ok is False:
+            self._record(TimeoutError(f"{what}: no completion after {self.timeout}s"))
+        self._injected()
+
+    def inject_failure(self) -> None:
+        """Testing: this replica's next collective completes but is recorded as failed (a
+        failure only this replica saw), so its step does not commit while its peers' does."""
+        self._inject = True
+
+    def _injected(self) -> None:
+        if self._inject:
+            self._inject = False
+            self._record(RuntimeError("injected collective failure (stratagem.testing.ft)"))
+
+    def _record(self, exc: BaseException) -> None:
+        self._error = self._error or exc
+        self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+
+    def _skipped(self) -> bool:
+        """True when a collective need not run (a world of one, or the step already failed);
+        it still counts as run, so the step's transaction is committed."""
+        if self._error is not None or self._world == 1:
+            self.num_collectives += 1
+            return True
+        return False
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self._live_group()  # the quorum first: world_size is the quorum's
+        if self._skipped():
+            return tensor  # a world of one, or the step failed: the result is not used
+        return super().all_reduce(tensor, op)
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, nbytes: float | None = None
+                         ) -> torch.futures.Future[torch.Tensor]:
+        self._live_group()
+        if self._skipped():
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(tensor)
+            return fut
+        inner = super().all_reduce_async(tensor, nbytes=nbytes)
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> None:
+            try:
+                value = f.value()
+            except Exception as exc:  # noqa: BLE001 - a peer died mid-collective
+                self._record(exc)
+                value = tensor
+            self._injected()
+            out.set_result(value)
+
+        inner.add_done_callback(done)
+        return out
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._live_group()
+        if self._skipped():
+            return [tensor.clone() for _ in range(self._world)]
+        return super().all_gather(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._live_group()
+        if self._skipped():
+            return tensor
+        return super().broadcast(tensor, src)
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._live_group()
+        if self._skipped():
+            return tensor.clone()
+        return super().all_to_all(tensor)
+
+    def all_reduce_quantized(self, tensor: torch.Tensor, kind: str, **kwargs: Any
+                             ) -> torch.Tensor:
+        self.begin()  # the quorum first: the chunks are cut for its world size
+        return super().all_reduce_quantized(tensor, kind, **kwargs)
+
+    def diagnose(self, exc: BaseException, what: str) -> PeerTimeoutError:
+        return PeerTimeoutError(f"{what} failed in a fault-tolerant job: {exc}")
+
+    def split(self, groups: Any, *, name: str = "split") -> Comm:
+        raise NotImplementedError(
+            "a fault-tolerant Comm cannot be split into sub-groups yet (its membership "
+            "changes). Fix: use fault_tolerant=True on Mirrored, LocalSGD or DiLoCo")
+
+    def ddp_group(self) -> dist.ProcessGroup:
+        """The group DDP is built on: a world of one (DDP's own start-up collectives and
+        size must not see the changing quorum); gradients travel through the comm hook."""
+        group = getattr(self, "_ddp_group", None)
+        if group is None:
+            from ..comm import new_group
+
+            group = new_group(dist.HashStore(), 0, 1, self.timeout)
+            self._ddp_group = group
+        return group
+
+    def kill(self) -> None:
+        """Testing: vanish as a killed process would. The manager server stops (no more
+        heartbeats: the next quorum forms without this replica), the heal server and the
+        process group's sockets close (a peer in a collective with it fails at once)."""
+        with contextlib.suppress(Exception):
+            self.manager.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            self.transport.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            self._pg.abort(errored=False)
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._beat is not None:
+            self._beat.stop()
+            self._beat = None
+        super().close()
+        with contextlib.suppress(Exception):
+            self.manager.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            self.transport.shutdown(wait=False)
+        with contextlib.suppress(Exception):
+            self._pg.shutdown()

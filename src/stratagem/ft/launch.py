@@ -1,0 +1,157 @@
+"""What a fault-tolerant launcher starts: the quorum service, a job secret, each worker's Comm.
+
+The quorum service is torchft's Lighthouse, bound to one address (loopback on one node,
+``--master-addr`` across nodes), never every interface. How fast a lost replica leaves the
+quorum: a worker that dies in a collective makes its peers' collective fail at once (gloo
+sees the reset connection); the next quorum then forms without it as soon as its heartbeat is
+older than :data:`HEARTBEAT_TIMEOUT_MS` (its manager server died with it). A stalled worker
+(SIGSTOP) stops heartbeating too; its peers' in-flight collective fails after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .._rendezvous import is_loopback
+from .env import (
+    HOST_ENV,
+    LIGHTHOUSE_ENV,
+    MIN_REPLICAS_ENV,
+    SLOT_ENV,
+    SLOTS_ENV,
+    TOKEN_FILE_ENV,
+)
+
+__all__ = ["QuorumService", "comm_from_env", "worker_env", "read_token_file",
+           "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS"]
+
+#: A replica whose manager has not heartbeaten for this long leaves the quorum (torchft's
+#: default is 5 s; its manager servers beat every 100 ms).
+HEARTBEAT_TIMEOUT_MS = 1000
+#: How long a quorum waits for live replicas that have not asked to join yet.
+JOIN_TIMEOUT_MS = 1000
+
+
+class QuorumService:
+    """torchft's Lighthouse on ``host`` (loopback by default), plus the job's secret.
+
+    ``min_replicas``: the fewest replicas a quorum may have. The secret is written to a file
+    of mode 0600 in a private directory; workers find it through ``STRATAGEM_FT_TOKEN_FILE``
+    (never on a command line). ``stop()`` shuts the server down and removes the directory.
+    """
+
+    def __init__(self, *, num_slots: int, min_replicas: int = 1, host: str = "127.0.0.1",
+                 allow_remote: bool = False) -> None:
+        from .comm import require_torchft
+
+        require_torchft()
+        from torchft.coordination import LighthouseServer
+
+        if not allow_remote and not is_loopback(host):
+            raise ValueError(f"the quorum service listens on loopback on one node, got host="
+                             f"{host!r}. Fix: omit host, or pass the --master-addr of a "
+                             "multi-node job with allow_remote=True")
+        if min_replicas > num_slots:
+            raise ValueError(f"min_replicas must be <= the number of workers, got min_replicas="
+                             f"{min_replicas} > {num_slots}. Fix: lower --min-replicas")
+        self.host = host
+        self.num_slots = num_slots
+        self.min_replicas = min_replicas
+        self._server = LighthouseServer(
+            bind=f"{host}:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, quorum_tick_ms=50)
+        self._dir = tempfile.mkdtemp(prefix="stratagem-ft-")
+        self.token_file = os.path.join(self._dir, "token")
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+
+    def address(self) -> str:
+        """``http://host:port`` of the Lighthouse."""
+        return str(self._server.address())
+
+    def env(self, slot: int) -> dict[str, str]:
+        """The variables worker ``slot`` needs (see :mod:`stratagem.ft.env`)."""
+        return worker_env(slot=slot, num_slots=self.num_slots, lighthouse=self.address(),
+                          min_replicas=self.min_replicas, token_file=self.token_file,
+                          host=self.host)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._server.shutdown()
+        with contextlib.suppress(OSError):
+            os.unlink(self.token_file)
+        with contextlib.suppress(OSError):
+            os.rmdir(self._dir)
+
+    def __enter__(self) -> QuorumService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def worker_env(*, slot: int, num_slots: int, lighthouse: str, min_replicas: int,
+               token_file: str, host: str = "127.0.0.1") -> dict[str, str]:
+    """A fault-tolerant worker's variables: its slot, the quorum service, the secret's file.
+    Each worker is a process group of its own (``WORLD_SIZE=1``); the quorum joins them."""
+    return {LIGHTHOUSE_ENV: lighthouse, SLOT_ENV: str(slot), SLOTS_ENV: str(num_slots),
+            MIN_REPLICAS_ENV: str(min_replicas), TOKEN_FILE_ENV: token_file, HOST_ENV: host}
+
+
+def read_token_file(path: str) -> bytes:
+    """The job secret from ``path``: a regular file, not a link, readable by its owner only."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"the fault-tolerance token file {path} is not a regular file. "
+                             "Fix: let the launcher create it")
+        if info.st_mode & 0o077:
+            raise ValueError(f"the fault-tolerance token file {path} is readable by others "
+                             f"(mode {stat.S_IMODE(info.st_mode):o}). Fix: chmod 600 {path}")
+        data = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(data) < 16:
+        raise ValueError(f"the fault-tolerance token in {path} is shorter than 16 bytes. Fix: "
+                         "let the launcher create it")
+    return data
+
+
+def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: int) -> Any:
+    """This worker's :class:`~stratagem.ft.comm.FaultTolerantComm`, from the launcher's
+    variables. ``min_replicas`` (the strategy's) may raise the launcher's, never lower it."""
+    from .comm import FaultTolerantComm
+
+    env = os.environ
+    missing = [k for k in (LIGHTHOUSE_ENV, SLOT_ENV, SLOTS_ENV, TOKEN_FILE_ENV) if k not in env]
+    if missing:
+        raise RuntimeError(
+            f"fault_tolerant=True needs a fault-tolerant launcher; {missing} are not set. Fix: "
+            "start the job with `stratagem run --fault-tolerant ...` or "
+            "sg.launch(..., fault_tolerant=True)")
+    host = env.get(HOST_ENV, "127.0.0.1")
+    job_store = None
+    if "MASTER_PORT" in env:
+        from torch.distributed import TCPStore
+
+        with contextlib.suppress(Exception):
+            job_store = TCPStore(env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]),
+                                 is_master=False, timeout=timedelta(seconds=30),
+                                 wait_for_workers=False)
+    floor = int(env.get(MIN_REPLICAS_ENV, "1"))
+    return FaultTolerantComm(
+        lighthouse=env[LIGHTHOUSE_ENV], slot=int(env[SLOT_ENV]), num_slots=int(env[SLOTS_ENV]),
+        token=read_token_file(env[TOKEN_FILE_ENV]), min_replicas=max(floor, min_replicas),
+        timeout=timeout, host=host, job_store=job_store, device=device,
+        allow_remote=not is_loopback(host),
+        joining=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0)

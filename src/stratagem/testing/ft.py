@@ -1,0 +1,144 @@
+"""Fault-tolerant replicas as threads, with declared faults (issue 22).
+
+``run_replicas(fn, n)`` starts a quorum service (torchft's Lighthouse on loopback) and calls
+``fn(comm, slot)`` on ``n`` threads, each with a :class:`~stratagem.ft.comm.FaultTolerantComm`
+of its own (its own manager, store, heal transport and process group), and returns their
+results in slot order. Faults are declared, as torchft's tests do
+(``EventInjector().fail_at(rank, step)``), instead of sleeping past timeouts:
+
+- ``ReplicaFaults.fail_at(slot, step)``: replica ``slot`` dies at the end of its step
+  ``step``; its Comm is torn down as a killed process's would be (its manager stops
+  heartbeating, its sockets close), so its peers' next collective fails and the next quorum
+  forms without it. With ``restart=True`` a new replica takes the slot (``fn`` is called again
+  for it with a fresh Comm) and heals from a live peer.
+- ``ReplicaFaults.fail_collective(slot, step)``: replica ``slot``'s collectives fail during
+  step ``step`` (a failed collective, the replica stays alive): that step commits nowhere that
+  saw the failure, and the replicas continue.
+
+``fn`` reads its cue with ``faults.check(slot, step)`` at the end of every step (after
+``optimizer.step()``); it raises :class:`ReplicaDied` on a replica due to die.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .._rendezvous import loopback_tcp_store
+from ..ft.comm import FaultTolerantComm
+from ..ft.launch import QuorumService
+
+__all__ = ["run_replicas", "ReplicaFaults", "ReplicaDied"]
+
+
+class ReplicaDied(Exception):
+    """Raised in a replica's thread at the step where :meth:`ReplicaFaults.fail_at` kills it."""
+
+
+class ReplicaFaults:
+    """Declared faults for :func:`run_replicas`."""
+
+    def __init__(self) -> None:
+        self._die: dict[int, set[int]] = {}
+        self._fail: dict[int, set[int]] = {}
+        self.restart = True
+        self.deaths: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def fail_at(self, slot: int, step: int, *, restart: bool = True) -> ReplicaFaults:
+        """Replica ``slot`` dies at the end of its step ``step`` (and comes back when
+        ``restart``)."""
+        self._die.setdefault(slot, set()).add(step)
+        self.restart = restart
+        return self
+
+    def fail_collective(self, slot: int, step: int) -> ReplicaFaults:
+        """Replica ``slot``'s collectives of step ``step`` fail (it stays alive)."""
+        self._fail.setdefault(slot, set()).add(step)
+        return self
+
+    def check(self, comm: FaultTolerantComm, step: int) -> None:
+        """Call at the end of each step: dies here if declared (see the class docstring)."""
+        slot = comm.slot
+        with self._lock:
+            if step in self._die.get(slot, set()):
+                self._die[slot].discard(step)
+                self.deaths.append((slot, step))
+                raise ReplicaDied(f"replica {slot} died at step {step}")
+        if step + 1 in self._fail.get(slot, set()):
+            self._fail[slot].discard(step + 1)
+            comm.inject_failure()
+
+
+def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
+                 faults: ReplicaFaults | None = None, min_replicas: int = 1,
+                 timeout: float = 10.0, deadline: float = 120.0) -> list[Any]:
+    """Run ``fn(comm, *args)`` for ``n`` fault-tolerant replicas as threads (see the module
+    docstring); a replica killed by ``faults`` is replaced by a new one in its slot (its
+    result is the replacement's). Raises the first unexpected exception, or
+    ``TimeoutError`` after ``deadline`` seconds."""
+    service = QuorumService(num_slots=n, min_replicas=min_replicas)
+    job_store = loopback_tcp_store("127.0.0.1", 0, timeout=timedelta(seconds=30))
+    token = secrets.token_hex(32).encode()
+    results: list[Any] = [None] * n
+    errors: list[tuple[int, BaseException, str]] = []
+    threads: list[threading.Thread] = []
+    lock = threading.Lock()
+
+    def replica(slot: int, joining: bool) -> None:
+        comm: FaultTolerantComm | None = None
+        try:
+            from torch.distributed import TCPStore
+
+            store = TCPStore("127.0.0.1", job_store.port, is_master=False,
+                             timeout=timedelta(seconds=30), wait_for_workers=False)
+            comm = FaultTolerantComm(lighthouse=service.address(), slot=slot, num_slots=n,
+                                     token=token, min_replicas=min_replicas, timeout=timeout,
+                                     job_store=store, joining=joining)
+            results[slot] = fn(comm, *args)
+        except ReplicaDied:
+            if comm is not None:
+                comm.kill()
+                comm = None
+            if faults is not None and faults.restart:
+                start(slot, joining=True)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append((slot, exc, traceback.format_exc()))
+        finally:
+            if comm is not None:
+                comm.close()
+
+    def start(slot: int, joining: bool = False) -> None:
+        t = threading.Thread(target=replica, args=(slot, joining), daemon=True,
+                             name=f"replica{slot}")
+        with lock:
+            threads.append(t)
+        t.start()
+
+    try:
+        for slot in range(n):
+            start(slot)
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            with lock:
+                alive = [t for t in threads if t.is_alive()]
+            if not alive or errors:
+                break
+            time.sleep(0.02)
+        if errors:
+            slot, exc, tb = sorted(errors, key=lambda e: e[0])[0]
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised on replica {slot})\n{tb}")
+            raise exc
+        with lock:
+            running = [t.name for t in threads if t.is_alive()]
+        if running:
+            raise TimeoutError(f"replicas {running} still running after {deadline}s")
+        return results
+    finally:
+        service.stop()

@@ -1,0 +1,158 @@
+"""Fault-tolerant synchronous training (issue 22): replicas as threads, declared faults.
+
+Every test runs real torchft quorums (a Lighthouse on loopback), real reconfigurable gloo
+groups and real heals through stratagem's heal transport; only process death is simulated
+(``stratagem.testing.ft``: the dead replica's manager, heal server and sockets are torn down
+as a killed process's would be).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+
+pytest.importorskip("torchft")
+
+from stratagem.testing.ft import ReplicaFaults, run_replicas  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+N_SAMPLES = 512
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N_SAMPLES, 20, generator=g)
+    w = torch.randn(20, 4, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(20, width)
+        self.fc2 = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _train(comm, make, steps, faults, width=32):
+    torch.manual_seed(1000 + comm.slot)  # different inits: the first quorum makes them equal
+    strategy = make(comm)
+    model = Net(width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = strategy.prepare(model, opt)
+    loader = strategy.distribute_dataset(_data(), global_batch_size=48, shuffle=True, seed=3)
+    for epoch in itertools.count():
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            strategy.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if faults is not None:
+                faults.check(comm, strategy.steps)
+            if strategy.steps >= steps:
+                break
+        if strategy.steps >= steps:
+            break
+    strategy.finalize(model)
+    module = strategy.unwrap(model)
+    return ({k: v.detach().clone() for k, v in module.state_dict().items()},
+            strategy.steps, comm.heals, comm.failed_steps, dict(loader.state_dict()))
+
+
+STRATEGIES = {
+    "mirrored": lambda comm: sg.Mirrored(comm=comm),
+    "local_sgd": lambda comm: sg.LocalSGD(comm=comm, period=4),
+    "diloco": lambda comm: sg.DiLoCo(comm=comm, period=4, fragments=2),
+    # The quantized all-reduce (issue 24) on the fault-tolerant Comm: one mechanism for both.
+    "diloco_int8": lambda comm: sg.DiLoCo(comm=comm, period=4, compression="int8"),
+}
+
+
+def _assert_equal(results):
+    first = results[0][0]
+    for state, *_ in results[1:]:
+        for k in first:
+            assert torch.equal(first[k], state[k]), k
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_killed_replica_is_restarted_and_healed_bitwise(name):
+    faults = ReplicaFaults().fail_at(1, 6)
+    results = run_replicas(_train, 3, args=(STRATEGIES[name], 16, faults), faults=faults)
+    assert faults.deaths == [(1, 6)]
+    _assert_equal(results)
+    assert all(r[1] == 16 for r in results)
+    assert results[1][2] >= 1  # the replacement healed from a peer
+    positions = {tuple(sorted(r[4].items())) for r in results}
+    assert len(positions) == 1  # the healed replica resumed at its peers' data position
+
+
+def test_without_faults_replicas_stay_bitwise_equal_and_nothing_fails():
+    results = run_replicas(_train, 3, args=(STRATEGIES["mirrored"], 10, None))
+    _assert_equal(results)
+    assert all(r[3] == 0 for r in results)
+
+
+def test_a_failed_collective_is_applied_nowhere_that_saw_it_and_the_replica_catches_up():
+    # Replica 1's all-reduce of step 5 is recorded as failed (it stays alive): it does not
+    # apply that step while its peers do, so it is one step behind; the next quorum heals it.
+    faults = ReplicaFaults().fail_collective(1, 5)
+    results = run_replicas(_train, 3, args=(STRATEGIES["mirrored"], 10, faults), faults=faults)
+    _assert_equal(results)
+    assert results[1][3] == 1  # one failed step, then one heal more than its peers
+    assert results[1][2] == max(results[0][2], results[2][2]) + 1
+    assert results[0][3] == 0 and results[2][3] == 0
+
+
+def test_a_failed_outer_sync_is_not_applied_and_the_replicas_end_equal():
+    faults = ReplicaFaults().fail_collective(0, 4)  # DiLoCo's first outer step (period 4)
+    results = run_replicas(_train, 3, args=(STRATEGIES["diloco"], 12, faults), faults=faults)
+    _assert_equal(results)
+    assert results[0][3] == 1
+
+
+_builds: list[int] = []
+
+
+def _train_other_model_on_restart(comm, steps, faults):
+    _builds.append(comm.slot)
+    width = 48 if _builds.count(comm.slot) > 1 else 32  # the replacement builds another model
+    return _train(comm, STRATEGIES["mirrored"], steps, faults, width=width)
+
+
+def test_a_joining_replica_with_another_model_is_refused_by_name():
+    _builds.clear()
+    faults = ReplicaFaults().fail_at(1, 3)
+    with pytest.raises(sg.ReplicaMismatchError, match=r"fc1.weight.*\[48, 20\]"):
+        run_replicas(_train_other_model_on_restart, 2, args=(8, faults), faults=faults,
+                     deadline=90)
+
+
+def test_a_quorum_below_min_replicas_fails_after_timeout_naming_the_missing_replica():
+    from stratagem.ft.comm import QuorumError
+
+    faults = ReplicaFaults().fail_at(1, 3, restart=False)
+    with pytest.raises(QuorumError, match=r"min_replicas=2.*slots not running: \[1\]") as info:
+        run_replicas(_train, 2, args=(STRATEGIES["mirrored"], 50, faults), faults=faults,
+                     min_replicas=2, timeout=4.0, deadline=90)
+    assert info.value.missing == (1,)
+
+
+@pytest.mark.parametrize("make", [lambda: sg.Sharded(fault_tolerant=True),
+                                  lambda: sg.ElasticAveraging(fault_tolerant=True),
+                                  lambda: sg.Hierarchical(inner=sg.Mirrored(),
+                                                          outer=sg.DiLoCo(),
+                                                          fault_tolerant=True)])
+def test_strategies_without_fault_tolerance_say_so(make):
+    with pytest.raises(ValueError, match="cannot run fault tolerant yet.*Mirrored, LocalSGD"):
+        make()
