@@ -284,8 +284,17 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
     head_end = _PREFIX.size + header_len
     if head_end > size:
         raise WireError(f"header length {header_len} runs past the end of a {size}-byte message")
+    raw_header = bytes(memoryview(data)[_PREFIX.size:head_end])
+    # Every JSON object is spelled with a "{", so this bounds the objects (tensor entries
+    # among them) before the parse, the costly part: a header of 13 000 empty tensors is
+    # refused in a fraction of a millisecond instead of being parsed first.
+    objects = raw_header.count(b"{")
+    if objects > 2 * lim.max_tensors + 64:
+        raise WireError(f"header holds up to {objects} JSON objects, more than the "
+                        f"{lim.max_tensors} tensors (max_tensors) a message may carry",
+                        status="RESOURCE_EXHAUSTED")
     try:
-        header = json.loads(bytes(memoryview(data)[_PREFIX.size:head_end]).decode("utf-8"),
+        header = json.loads(raw_header.decode("utf-8"),
                             parse_constant=_reject_constant,
                             parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
