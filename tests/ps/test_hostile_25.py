@@ -68,6 +68,7 @@ class Good:
             if time.monotonic() >= end or (busy is not None and not busy.is_set()):
                 break
             time.sleep(0.01)
+        print(f"[{self.name}] good client: {self.steps} push+pull, worst {self.worst:.3f} s")
         assert self.worst < GOOD_BOUND, f"good client waited {self.worst:.2f} s"
 
     def close(self) -> None:
