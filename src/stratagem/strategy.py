@@ -36,7 +36,7 @@ from .data import DistributedLoader
 from .errors import ReplicaMismatchError
 from .parts.base import Part
 from .precision import Autocast, Precision
-from .validation import check_int, check_number
+from .validation import check_int, check_number, check_timeout
 
 __all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer", "StepEndHook",
            "register_feature"]
@@ -258,8 +258,8 @@ class Strategy:
             check_int("global_accumulation_steps", global_accumulation_steps, minimum=1,
                          fix="pass the number of micro-batches per optimizer step summed over all "
                          "workers, e.g. 8")
-        check_number("timeout", timeout, low=0, low_open=True,
-                     fix="pass the seconds a peer may stay silent, e.g. timeout=60")
+        check_timeout("timeout", timeout,
+                      fix="pass the seconds a peer may stay silent, e.g. timeout=60")
         self.fault_tolerant, self.min_replicas = self._check_fault_tolerance(
             fault_tolerant, min_replicas, comm)
         self.device = torch.device(device) if device is not None else _default_device()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 __all__ = ["check_int", "check_number", "check_optional_number", "check_choice", "check_bool",
-           "describe_choices", "int_argument"]
+           "describe_choices", "int_argument", "check_timeout", "MIN_TIMEOUT", "MAX_TIMEOUT"]
 
 _T = TypeVar("_T")
 
@@ -160,3 +160,17 @@ def int_argument(*, minimum: int | None = None, maximum: int | None = None,
 
     parse.__name__ = "int"  # argparse names the type in "invalid int value" messages
     return parse
+
+
+#: Bounds of every ``timeout`` (seconds): below a millisecond nothing can answer in time;
+#: above ~11.6 days a deadline is no deadline (and ``inf`` overflows the clocks it is added to).
+MIN_TIMEOUT = 1e-3
+MAX_TIMEOUT = 1e6
+
+
+def check_timeout(name: str, value: Any, *, fix: str | None = None) -> float:
+    """``float(value)`` if it is a number of seconds in [:data:`MIN_TIMEOUT`,
+    :data:`MAX_TIMEOUT`] (so never ``inf``, NaN, 0, negative or ``1e-300``); ``ValueError``
+    otherwise."""
+    return check_number(name, value, low=MIN_TIMEOUT, high=MAX_TIMEOUT, finite=True,
+                        fix=fix or f"pass the seconds to wait, e.g. {name}=60")

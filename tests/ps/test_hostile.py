@@ -164,6 +164,7 @@ class ProcShard:
     def __init__(self, tmp: Path, *extra: str) -> None:
         tok, port = tmp / "token", tmp / "port"
         tok.write_text(TOKEN)
+        tok.chmod(0o600)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = child_pythonpath(env)
         self.proc = subprocess.Popen(

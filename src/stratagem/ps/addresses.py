@@ -1,17 +1,59 @@
-"""Where the parameter-server shards are: an explicit list or ``STRATAGEM_PS_ADDRS``."""
+"""Where the parameter-server shards are: an explicit list or ``STRATAGEM_PS_ADDRS``.
+
+An address is ``host:port``: a DNS name or IPv4 address, or a bracketed IPv6 address
+(``[::1]:5000``), and a port in 1..65535. Nothing else reaches gRPC: its other target forms
+(``unix:/path``, ``dns:///name``, ``ipv4:``...) would connect somewhere the token checks in
+:mod:`stratagem.ps.auth` (loopback or not) cannot judge, so they are refused.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Sequence
 
-__all__ = ["shard_addresses"]
+__all__ = ["shard_addresses", "check_address"]
+
+_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,62}))*\.?$")
+
+
+def check_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of ``host:port``; ``ValueError`` naming what is wrong otherwise."""
+    if not isinstance(address, str):
+        raise ValueError(f"parameter-server shard address must be a 'host:port' string, got "
+                         f"{address!r}")
+    host, sep, port_text = address.strip().rpartition(":")
+    why = None
+    if not sep or not host:
+        why = "it is not 'host:port'"
+    elif not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
+        why = f"port {port_text!r} is not an integer in 1..65535"
+    elif host.startswith("["):
+        try:
+            ok = host.endswith("]") and isinstance(ipaddress.ip_address(host[1:-1]),
+                                                    ipaddress.IPv6Address)
+        except ValueError:
+            ok = False
+        if not ok:
+            why = f"{host!r} is not a bracketed IPv6 address"
+    elif ":" in host or "/" in host:
+        why = (f"{host!r} is a gRPC target scheme (unix:, dns:, ...) or an unbracketed IPv6 "
+               "address; only host:port (IPv6 as [addr]:port) is accepted")
+    elif len(host) > 253 or not _NAME.match(host):
+        why = f"{host!r} is not a host name or IPv4 address"
+    if why is not None:
+        raise ValueError(f"parameter-server shard address {address!r} refused: {why}. Fix: "
+                         "list shards as host:port with a port in 1..65535, e.g. "
+                         "127.0.0.1:5000,[::1]:5001")
+    return host, int(port_text)
 
 
 def shard_addresses(given: str | Sequence[str] | None, *, who: str) -> list[str]:
     """``given`` (a list or a comma-separated string) or else ``STRATAGEM_PS_ADDRS``, as a list
-    of ``host:port``; ``ValueError`` naming the value and the fix otherwise. The order matters:
-    every worker must list the shards in the same order (placement is by position)."""
+    of ``host:port`` (each checked by :func:`check_address`); ``ValueError`` naming the value
+    and the fix otherwise. The order matters: every worker must list the shards in the same
+    order (placement is by position)."""
     raw: str | Sequence[str] | None = given
     source = "ps_addresses"
     if raw is None:
@@ -25,4 +67,9 @@ def shard_addresses(given: str | Sequence[str] | None, *, who: str) -> list[str]
                          f"{source}={raw!r}. Fix: start shards (stratagem run --num-ps K, "
                          "sg.launch(..., num_ps=K), or stratagem ps) and set "
                          "STRATAGEM_PS_ADDRS=host:port,... or pass ps_addresses=[...]")
+    for a in addresses:
+        try:
+            check_address(a)
+        except ValueError as exc:
+            raise ValueError(f"{who}: {source}: {exc}") from None
     return addresses

@@ -12,14 +12,21 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
+import stat
 import tempfile
 from pathlib import Path
 
 __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "resolve_token", "read_token_file", "is_loopback",
-           "is_unspecified", "exposure_warning", "read_pem", "check_tls_pair"]
+           "is_unspecified", "exposure_warning", "read_pem", "check_tls_pair",
+           "ALLOW_PLAINTEXT_ENV", "check_token_transport"]
 
 TOKEN_ENV = "STRATAGEM_PS_TOKEN"
 TOKEN_FILE_ENV = "STRATAGEM_PS_TOKEN_FILE"
+#: ``1``: let a client send its token without TLS to non-loopback shards (see
+#: :func:`check_token_transport`); the environment form of ``allow_plaintext=True``.
+ALLOW_PLAINTEXT_ENV = "STRATAGEM_PS_ALLOW_PLAINTEXT"
+#: Largest token file read (a token is a few dozen characters).
+MAX_TOKEN_FILE_BYTES = 4096
 
 
 def _check(token: str, source: str) -> str:
@@ -35,14 +42,43 @@ def _check(token: str, source: str) -> str:
 
 
 def read_token_file(path: str | os.PathLike[str], *, source: str = "--token-file") -> str:
-    """The token in ``path`` (surrounding whitespace stripped); errors name the file."""
+    """The token in ``path`` (surrounding whitespace stripped); errors name the file.
+
+    Refused (``ValueError`` with the fix): a file that is not a regular file (a FIFO, a
+    device, a directory: opened without blocking, so a FIFO cannot hang the caller), and a
+    file that other users may read or write (any group or other permission bit: ``chmod 600``
+    it). A token others can read is no secret."""
+    where = f"{source}={str(path)!r}"
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # O_NONBLOCK: opening a FIFO with no writer would otherwise block forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ValueError(f"cannot read the parameter-server token file {where}: {exc}. Fix: "
+                         "point it at a readable UTF-8 file holding the token") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"parameter-server token file {where} is not a regular file "
+                             f"(mode {stat.filemode(st.st_mode)}); refused. Fix: write the "
+                             "token to a regular file readable only by you (chmod 600)")
+        if st.st_mode & 0o077:
+            raise ValueError(f"parameter-server token file {where} is accessible to other "
+                             f"users (mode {stat.S_IMODE(st.st_mode):03o}); a token others can "
+                             f"read is no secret. Fix: chmod 600 {str(path)!r}")
+        if st.st_size > MAX_TOKEN_FILE_BYTES:
+            raise ValueError(f"parameter-server token file {where} holds {st.st_size} bytes, "
+                             f"more than a token (at most {MAX_TOKEN_FILE_BYTES}). Fix: point "
+                             "it at the file holding only the token")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read the parameter-server token file {source}={str(path)!r}: "
-                         f"{exc}. Fix: point it at a readable UTF-8 file holding the token"
-                         ) from None
-    return _check(text.strip(), f"{source}={str(path)!r}")
+        raise ValueError(f"cannot read the parameter-server token file {where}: {exc}. Fix: "
+                         "point it at a readable UTF-8 file holding the token") from None
+    finally:
+        os.close(fd)
+    return _check(text.strip(), where)
 
 
 def resolve_token(token: str | None) -> str | None:
@@ -106,6 +142,32 @@ def exposure_warning(host: str, *, token: bool, tls: bool) -> str | None:
                 "without TLS: the token and every tensor cross the network in clear text. "
                 "Fix: pass --tls-cert/--tls-key (and STRATAGEM_PS_TLS_ROOT_CERT on workers)")
     return None
+
+
+def check_token_transport(addresses: list[str], *, token: bool, tls: bool,
+                          allow_plaintext: bool | None) -> None:
+    """Refuse (``ValueError``) to send a token in clear text to a shard off this machine.
+
+    A token without TLS crosses the network readable by anyone on the path, who can then
+    read or overwrite the model. Loopback addresses (127.0.0.0/8, ``::1``, ``localhost``) are
+    fine; anything else needs TLS (``tls_root_cert`` / ``STRATAGEM_PS_TLS_ROOT_CERT``) or an
+    explicit ``allow_plaintext=True`` (``STRATAGEM_PS_ALLOW_PLAINTEXT=1``: a network you
+    trust, e.g. a private cluster fabric). ``allow_plaintext=None`` reads the environment."""
+    if not token or tls:
+        return
+    if allow_plaintext is None:
+        allow_plaintext = os.environ.get(ALLOW_PLAINTEXT_ENV, "") == "1"
+    if allow_plaintext:
+        return
+    for a in addresses:
+        host = a.rpartition(":")[0]
+        if not is_loopback(host):
+            raise ValueError(
+                f"refusing to send the parameter-server token in clear text to {a!r}: it is "
+                "not a loopback address and the client has no TLS, so anyone on the network "
+                "path could read the token. Fix: serve the shards with --tls-cert/--tls-key "
+                "and set STRATAGEM_PS_TLS_ROOT_CERT (or tls_root_cert=) on the workers, or, on "
+                f"a network you trust, pass allow_plaintext=True ({ALLOW_PLAINTEXT_ENV}=1)")
 
 
 def read_pem(data: bytes | str | os.PathLike[str], what: str) -> bytes:

@@ -41,6 +41,9 @@ def add_shard_arguments(p: argparse.ArgumentParser, *, port_required: bool = Tru
                         "(default %(default)s = 8 GiB)")
     p.add_argument("--max-message-bytes", type=nonneg_int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest request or reply in bytes (default %(default)s)")
+    p.add_argument("--max-inflight-bytes", type=int_argument(minimum=1024), default=None,
+                   help="bound on the request bytes held at once; a request past it is "
+                        "refused (default: twice --max-message-bytes)")
     p.add_argument("--max-concurrent-streams", type=nonneg_int, default=32,
                    help="calls one connection may have in flight (default %(default)s)")
     p.add_argument("--max-connection-age", type=float, default=3600.0,

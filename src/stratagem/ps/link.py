@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stratagem.comm import Comm
+from stratagem.validation import check_timeout
 
 if TYPE_CHECKING:
     from stratagem.ps.table import ShardedParameters
@@ -42,8 +43,7 @@ class PSLink:
 
     def __init__(self, addresses: Sequence[str], *, comm: Comm, timeout: float,
                  token: str | None = None) -> None:
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        check_timeout("timeout", timeout)
         self.addresses = list(addresses)
         self.comm = comm
         self.timeout = float(timeout)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "STALENESS_LR", "optimizer_spec", "validate_spec", "build_optimizer",
+__all__ = ["OPTIMIZERS", "STALENESS_LR", "MAX_LR", "optimizer_spec", "validate_spec", "build_optimizer",
            "check_spec", "state_layout", "supports_sparse", "jsonable"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -41,6 +41,11 @@ _IGNORED = frozenset({"foreach", "fused", "capturable", "differentiable"})
 #: 2016). Carried in the spec so it travels, is validated and is checkpointed with the rest.
 STALENESS_LR = "staleness_lr"
 
+
+#: Largest learning rate a shard accepts (at register, set_hyperparams and set_state). A
+#: finite ``lr=1e30`` turns any later finite gradient into an overflow; the shards refuse such
+#: steps anyway (:mod:`stratagem.ps.rules`), and this bound refuses the configuration early.
+MAX_LR = 1e3
 
 _ALLOWED: dict[type, frozenset[str]] = {}
 
@@ -104,6 +109,18 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
                          f"valid: {sorted(allowed)}")
     for k, v in hyper.items():
         hyper[k] = tuple(v) if isinstance(v, list) else jsonable(k, v)
+    lr = hyper.get("lr")
+    if lr is not None and not isinstance(lr, tuple) and not isinstance(lr, bool):
+        ok = False
+        if isinstance(lr, (int, float)):
+            try:
+                ok = math.isfinite(float(lr)) and lr <= MAX_LR  # torch refuses < 0
+            except OverflowError:
+                ok = False
+        if not ok:
+            raise ValueError(f"optimizer hyperparameter lr must be a finite number <= "
+                             f"{MAX_LR:g} on parameter-server shards (stratagem.ps.optim."
+                             f"MAX_LR), got {lr!r}. Fix: pass a smaller learning rate")
     return hyper
 
 

@@ -16,6 +16,16 @@ One :class:`Slot` per tensor holds its value, version, optimizer and lock. The r
   restored from a checkpoint is checked against the optimizer's layout; nothing non-finite
   gets in (a NaN would spread to every worker).
 
+Finite in, finite kept (issue 25): finite values can still overflow what is stored, so the
+decision is taken on what will be stored, not only on what arrived. A gradient or exchanged
+value is checked *after* its cast to the tensor's dtype (1e5 is finite in fp32, ``inf`` in
+fp16); sync gradients are summed in float64; an optimizer step is checked before it is
+committed (plain SGD: a bound on ``|value| + lr * |grad|``, else the step on a scratch copy;
+other optimizers: the step, then its result, restoring the value and optimizer state on
+overflow); an elastic exchange's difference and new center are checked before the center
+changes. A step that would make the tensor non-finite is *refused*: counted in
+``Slot.refused``, reported as status ``"refused"``, and the tensor keeps its last finite value.
+
 Every refusal is a :class:`~stratagem.ps.wire.WireError` carrying the gRPC status the service
 (:mod:`stratagem.ps.server`) answers with.
 """
@@ -36,7 +46,8 @@ from stratagem.ps.wire import WireError
 __all__ = ["MODES", "Slot", "refused", "is_int", "make_slot", "check_grad", "to_slot_dtype",
            "apply_gradient", "offer", "elastic_exchange", "plan_hyperparameters",
            "apply_hyperparameters", "check_opt_state", "load_optimizer_state", "state_copies",
-           "cost", "finite", "require_finite", "plain_sgd_lr", "warm_up_optimizers"]
+           "cost", "finite", "require_finite", "plain_sgd_lr", "warm_up_optimizers",
+           "narrows", "SLOT_OVERHEAD_BYTES"]
 
 MODES = ("async", "sync", "elastic")
 
@@ -53,9 +64,10 @@ class Slot:
     replicas_to_aggregate: int = 1
     version: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    acc: torch.Tensor | None = None  # sync mode: sum of this version's gradients
+    acc: torch.Tensor | None = None  # sync mode: sum of this version's gradients (float64)
     acc_count: int = 0
     dropped: int = 0
+    refused: int = 0  # steps refused because they would have made the tensor non-finite
     #: Plain SGD (no momentum, weight decay or maximize): its learning rate, for the fast
     #: path in :func:`apply_gradient` (the same single ``add_`` torch's SGD does, minus ~75 us of
     #: optimizer-framework overhead per call, a tenth of a push of 8 MB in 10 tensors).
@@ -78,8 +90,9 @@ def is_int(v: Any) -> bool:
 
 
 def make_slot(name: str, value: torch.Tensor, mode: str, spec: Any,
-              replicas: Any) -> Slot:
-    """A new slot holding a copy of ``value`` and, unless elastic, its optimizer built from
+              replicas: Any, *, copy: bool = True) -> Slot:
+    """A new slot holding a copy of ``value`` (``copy=False``: ``value`` itself, e.g. a view
+    of a received message the slot may keep) and, unless elastic, its optimizer built from
     ``spec``; refused before anything is allocated when the combination is invalid."""
     if mode not in MODES:
         raise refused(f"tensor {name!r}: mode must be one of {MODES}, got {mode!r}")
@@ -93,7 +106,8 @@ def make_slot(name: str, value: torch.Tensor, mode: str, spec: Any,
                           "tensors can be optimized on a shard")
         ps_optim.check_spec(spec)  # torch's own errors, before any allocation
     require_finite(value, f"initial value of {name!r}")
-    param = torch.nn.Parameter(value.detach().clone(), requires_grad=value.is_floating_point())
+    data = value.detach().clone() if copy else value.detach()
+    param = torch.nn.Parameter(data, requires_grad=value.is_floating_point())
     optimizer = ps_optim.build_optimizer(spec, param) if mode != "elastic" else None
     return Slot(name, param.data, mode, spec, optimizer, replicas,
                 sgd_lr=plain_sgd_lr(spec) if optimizer is not None else None)
@@ -110,21 +124,64 @@ def check_grad(slot: Slot, g: torch.Tensor, what: str = "gradient") -> None:
     require_finite(g, f"{what} for {slot.name!r}")
 
 
-def to_slot_dtype(slot: Slot, g: torch.Tensor) -> torch.Tensor:
-    """``g`` in the slot's dtype."""
-    return g.to(slot.value.dtype)  # upcasts fp16/bf16-compressed gradients
+def narrows(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a finite ``src`` value can overflow to ``inf`` when cast to ``dst``."""
+    if src == dst or not (src.is_floating_point and dst.is_floating_point):
+        return False
+    return torch.finfo(dst).max < torch.finfo(src).max
 
 
-def apply_gradient(slot: Slot, grad: torch.Tensor, lr_scale: float = 1.0) -> None:
-    """Run the slot's optimizer on ``grad`` with its learning rate times ``lr_scale`` (caller
-    holds ``slot.lock``)."""
+def to_slot_dtype(slot: Slot, g: torch.Tensor, what: str = "gradient") -> torch.Tensor:
+    """``g`` in the slot's dtype; refused when the cast overflows (an fp32 value of 1e5 is
+    ``inf`` in fp16), since that is what would be stored."""
+    out = g.to(slot.value.dtype)  # upcasts fp16/bf16-compressed gradients
+    if narrows(g.dtype, out.dtype) and not finite(out):
+        raise refused(f"{what} for {slot.name!r} is finite in {g.dtype} but overflows the "
+                      f"tensor's dtype {slot.value.dtype} (largest finite value "
+                      f"{torch.finfo(slot.value.dtype).max:g}); refused so the shared model "
+                      "stays finite. Fix: scale the values down (loss scaling, gradient "
+                      "clipping), or register the tensor in a wider dtype")
+    return out
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    return max(abs(float(lo)), abs(float(hi)))
+
+
+def _sgd_step(slot: Slot, grad: torch.Tensor, lr: float) -> bool:
+    """``value -= lr * grad`` unless it would overflow: in place when a bound proves it
+    cannot (every realistic step), else computed on a scratch copy and committed only if
+    finite."""
+    value = slot.value
+    with torch.no_grad():
+        # |value - lr*g| <= |value| + |lr|*|g|; half the dtype's range leaves room for the
+        # rounding of the product and the sum. The bound is a Python (double) float: for a
+        # float64 tensor it overflows to inf and takes the scratch path.
+        g_max = _max_abs(grad.coalesce().values() if grad.is_sparse else grad)
+        bound = _max_abs(value) + abs(lr) * g_max
+        if bound <= torch.finfo(value.dtype).max / 2:
+            value.add_(grad, alpha=-lr)  # exactly torch's SGD step
+            return True
+        new = value.clone().add_(grad, alpha=-lr)
+        if not finite(new):
+            return False
+        value.copy_(new)
+        return True
+
+
+def _optimizer_step(slot: Slot, grad: torch.Tensor, lr_scale: float) -> bool:
+    """The slot's torch optimizer step, committed only if the value and every state tensor
+    stay finite; otherwise both are restored from the copies taken before it."""
     assert slot.optimizer is not None
-    if slot.sgd_lr is not None:
-        with torch.no_grad():
-            slot.value.add_(grad, alpha=-slot.sgd_lr * lr_scale)  # exactly torch's SGD step
-        return
     group = slot.optimizer.param_groups[0]
     param = group["params"][0]
+    state = slot.optimizer.state.get(param, {})
+    saved_value = param.detach().clone()
+    saved_state = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                   for k, v in state.items()}
     param.grad = grad
     lr = group["lr"]
     if lr_scale != 1.0:
@@ -134,6 +191,37 @@ def apply_gradient(slot: Slot, grad: torch.Tensor, lr_scale: float = 1.0) -> Non
     finally:
         param.grad = None
         group["lr"] = lr
+    after = slot.optimizer.state.get(param, {})
+    if finite(param.detach()) and all(finite(v) for v in after.values()
+                                      if isinstance(v, torch.Tensor)):
+        return True
+    with torch.no_grad():
+        param.copy_(saved_value)
+    if saved_state:
+        for k, v in saved_state.items():
+            cur = after.get(k)
+            if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor):
+                cur.copy_(v)
+            else:
+                after[k] = v
+    else:  # the first step created the state: a refused first step leaves none
+        slot.optimizer.state.pop(param, None)
+    return False
+
+
+def apply_gradient(slot: Slot, grad: torch.Tensor, lr_scale: float = 1.0) -> bool:
+    """Run the slot's optimizer on ``grad`` with its learning rate times ``lr_scale`` (caller
+    holds ``slot.lock``). Returns False, changing nothing and counting it in
+    ``slot.refused``, when the step would make the tensor or its optimizer state
+    non-finite."""
+    assert slot.optimizer is not None
+    if slot.sgd_lr is not None:
+        ok = _sgd_step(slot, grad, slot.sgd_lr * lr_scale)
+    else:
+        ok = _optimizer_step(slot, grad, lr_scale)
+    if not ok:
+        slot.refused += 1
+    return ok
 
 
 def staleness_lr_scale(slot: Slot, staleness: int) -> float:
@@ -162,27 +250,35 @@ def offer(slot: Slot, base: int | None, max_staleness: int | None,
             if staleness < 0 or (max_staleness is not None and staleness > max_staleness):
                 slot.dropped += 1
                 status = "dropped"
-            else:
-                apply_gradient(slot, grad(), staleness_lr_scale(slot, staleness))
+            elif apply_gradient(slot, grad(), staleness_lr_scale(slot, staleness)):
                 slot.version += 1
                 status = "applied"
+            else:
+                status = "refused"
         elif staleness != 0:  # sync: only gradients of the current version count
             slot.dropped += 1
             status = "dropped"
         else:
             g = grad()
+            # float64: two fp32 gradients of 3e38 sum to inf in an fp32 accumulator.
             if slot.acc is None:
-                slot.acc = g.to(torch.float64 if g.dtype == torch.float64 else torch.float32,
-                                copy=True)
+                slot.acc = g.to(torch.float64, copy=True)
             else:
                 slot.acc.add_(g)
             slot.acc_count += 1
             status = "accumulated"
             if slot.acc_count >= slot.replicas_to_aggregate:
                 # In place: the accumulator is discarded by bump() right after.
-                apply_gradient(slot, slot.acc.div_(slot.acc_count).to(slot.value.dtype))
+                mean = slot.acc.div_(slot.acc_count).to(slot.value.dtype)
+                if finite(mean) and apply_gradient(slot, mean):
+                    status = "applied"
+                else:
+                    if not finite(mean):
+                        slot.refused += 1
+                    status = "refused"
+                # A refused aggregate still ends the round (the value unchanged), so the
+                # replicas waiting for the next version go on instead of timing out.
                 slot.bump()
-                status = "applied"
         version = slot.version
     return [staleness, status, version]
 
@@ -211,8 +307,16 @@ def check_opt_state(name: str, value: torch.Tensor, spec: dict[str, Any],
                           f"number, got {v!r}")
 
 
+#: Bytes charged against a shard's quota for every tensor on top of its values: what a slot
+#: costs in Python objects (the slot, its Parameter, optimizer, lock, dict entries: ~2.8 KB
+#: measured for an SGD slot), so 50 000 one-element tensors cannot hide ~140 MB behind a
+#: 200 KB charge.
+SLOT_OVERHEAD_BYTES = 4096
+
+
 def state_copies(mode: str, spec: Any) -> int:
-    """How many parameter-sized buffers the slot's optimizer (and sync accumulator) keeps."""
+    """How many parameter-sized buffers the slot's optimizer (and sync accumulator) keeps
+    (the float64 sync accumulator is charged in :func:`cost`)."""
     if mode == "elastic" or not isinstance(spec, dict):
         return 0
     name = str(spec.get("name", "")).lower()
@@ -224,11 +328,14 @@ def state_copies(mode: str, spec: Any) -> int:
         n = 1 + bool(spec.get("momentum")) + bool(spec.get("centered"))
     else:
         n = 1
-    return n + (1 if mode == "sync" else 0)
+    return n
 
 
 def cost(value: torch.Tensor, mode: Any, spec: Any) -> int:
-    return value.nbytes * (1 + state_copies(str(mode), spec))
+    """Bytes charged for a slot: its value, its optimizer state, the float64 sync
+    accumulator, and :data:`SLOT_OVERHEAD_BYTES`."""
+    acc = value.numel() * 8 if str(mode) == "sync" and isinstance(spec, dict) else 0
+    return value.nbytes * (1 + state_copies(str(mode), spec)) + acc + SLOT_OVERHEAD_BYTES
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -274,7 +381,17 @@ def elastic_exchange(slot: Slot, x: torch.Tensor, moving_rate: float
     ``d = x - center; center += moving_rate * d``; returns ``d`` and the new version."""
     with slot.lock:
         d = x - slot.value
-        slot.value.add_(d, alpha=moving_rate)
+        new = None
+        if finite(d):
+            new = torch.add(slot.value, d, alpha=moving_rate)
+        if new is None or not finite(new):
+            slot.refused += 1
+            raise refused(f"elastic exchange for {slot.name!r} would make the center "
+                          "non-finite (the difference to the center overflows its dtype "
+                          f"{slot.value.dtype}); refused, the center keeps its value. Fix: "
+                          "keep the worker's parameters finite and in range (lower the "
+                          "learning rate)")
+        slot.value.copy_(new)
         slot.version += 1
         return d, slot.version
 

@@ -65,6 +65,19 @@ _LOUD = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
 #: keeps the loop's pause per call to about a millisecond.
 _INLINE_BYTES = 1 << 20
 _INLINE_OPS = frozenset({"push", "pull", "health"})
+#: What a tensor entry (in a request, or a slot a reply lists) counts as in that bound: its
+#: header JSON, checks and objects cost ~10 us each, so a request of a few thousand empty
+#: tensors is decoded and served on a tensor thread, not on the loop.
+_ENTRY_BYTES = 4096
+#: A request whose JSON header is longer than this is decoded on a tensor thread.
+_INLINE_HEADER_BYTES = 64 << 10
+#: A registered message may be kept as the slots' storage when at most this much (plus an
+#: eighth of the registered bytes) of it is something else.
+_ADOPT_SLACK = 64 << 10
+#: After a request of at least this size, freed memory is handed back to the kernel
+#: (``malloc_trim``, once a burst of them is over, off the loop): gRPC receives a message in many
+#: small blocks that glibc would otherwise keep resident after a burst of big bodies.
+_TRIM_BYTES = 16 << 20
 
 
 def _int(fields: dict[str, Any], key: str, default: int | None = None, *,
@@ -208,7 +221,8 @@ class ShardServer:
                  max_bytes: int = DEFAULT_MAX_BYTES,
                  max_workers: int = 4, max_wait_seconds: float = 10.0,
                  max_concurrent_streams: int = 32, max_concurrent_rpcs: int = 1024,
-                 max_connection_age: float = 3600.0, body_timeout: float = 120.0) -> None:
+                 max_connection_age: float = 3600.0, body_timeout: float = 120.0,
+                 max_inflight_bytes: int | None = None) -> None:
         token = ps_auth.resolve_token(token)
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both tls_cert and tls_key (PEM); got only "
@@ -233,6 +247,17 @@ class ShardServer:
             ps_auth.check_tls_pair(cert, key)
             self._tls = (key, cert)
         self.limits = wire.Limits(max_message_bytes=max_message_bytes)
+        if max_inflight_bytes is None:
+            max_inflight_bytes = 2 * self.limits.max_message_bytes
+        if not _is_int(max_inflight_bytes) or max_inflight_bytes < 1024:
+            raise ValueError(f"max_inflight_bytes must be an integer >= 1024, got "
+                             f"{max_inflight_bytes!r}. Fix: pass e.g. 2 * max_message_bytes")
+        #: Bound on the request bytes held at once (received, not yet answered): a request
+        #: that would pass it is refused (RESOURCE_EXHAUSTED) and dropped at once.
+        self.max_inflight_bytes = max_inflight_bytes
+        self._inflight_bytes = 0  # loop thread only
+        self._trim_due = 0.0
+        self._trim_pending = False
         self.max_bytes = max_bytes
         self._max_workers = max_workers
         self.max_wait_seconds = float(max_wait_seconds)
@@ -279,6 +304,7 @@ class ShardServer:
                 f"TLS: {'on' if self._tls else 'off'}, "
                 f"max message {self.limits.max_message_bytes} B, "
                 f"max registered {self.max_bytes} B, "
+                f"max in flight {self.max_inflight_bytes} B, "
                 f"{self.max_concurrent_streams} streams per connection, "
                 f"{self.max_concurrent_rpcs} calls in all, "
                 f"body timeout {self.body_timeout:g} s, "
@@ -412,10 +438,29 @@ class ShardServer:
                           f"body_timeout={self.body_timeout:g} s")
         if not isinstance(request, bytes):
             return _Abort("INVALID_ARGUMENT", "the call carried no request message")
+        size = len(request)
+        if self._inflight_bytes + size > self.max_inflight_bytes:
+            del request  # dropped at once: that is the point of the bound
+            return _Abort("RESOURCE_EXHAUSTED",
+                          f"the shard already holds {self._inflight_bytes} bytes of requests "
+                          f"in progress; this one ({size} bytes) would pass its bound "
+                          f"max_inflight_bytes={self.max_inflight_bytes}. Retry later, or "
+                          "send smaller requests")
+        self._inflight_bytes += size
+        try:
+            return await self._serve_body(request, context)
+        finally:
+            self._inflight_bytes -= size
+            if size >= _TRIM_BYTES:
+                self._trim_soon()
+
+    async def _serve_body(self, request: bytes, context: grpc.aio.ServicerContext
+                          ) -> bytes | _Abort:
         assert self._loop is not None and self._executor is not None
         failure: _Abort
         try:
-            if self._busy == 0 and len(request) <= _INLINE_BYTES:
+            if (self._busy == 0 and len(request) <= _INLINE_BYTES
+                    and _header_bytes(request) <= _INLINE_HEADER_BYTES):
                 # A small call: decode here; run it here too if it is small work (see
                 # _INLINE_BYTES). With no tensor thread busy no tensor lock is held, and none
                 # can be taken until this returns (only the loop hands out work): no waiting.
@@ -445,6 +490,24 @@ class ShardServer:
         except Exception as exc:  # noqa: BLE001 - a shard must survive any single request
             failure = self._internal(exc)
         return failure
+
+    def _trim_soon(self) -> None:
+        """Trim the heap once the burst of big requests is over (loop thread only): 0.2 s
+        after the last one, off the loop."""
+        self._trim_due = time.monotonic() + 0.2
+        if not self._trim_pending and self._loop is not None:
+            self._trim_pending = True
+            self._loop.loop.call_later(0.2, self._trim_check)
+
+    def _trim_check(self) -> None:
+        left = self._trim_due - time.monotonic()
+        if left > 0 and self._loop is not None:
+            self._loop.loop.call_later(left, self._trim_check)
+            return
+        self._trim_pending = False
+        if self._executor is not None and not self._stopped.is_set():
+            with contextlib.suppress(RuntimeError):  # the executor is shut down: stopping
+                self._executor.submit(wire.trim_malloc)
 
     def _internal(self, exc: BaseException) -> _Abort:
         where = exc.__traceback__
@@ -482,14 +545,18 @@ class ShardServer:
         not run on the loop (a malformed field is left for the op to refuse)."""
         if msg.op not in _INLINE_OPS:
             return _INLINE_BYTES + 1
-        total = sum(e.tensor.nbytes for e in msg.entries)
+        total = sum(e.tensor.nbytes + _ENTRY_BYTES for e in msg.entries)
         names = msg.fields.get("fetch" if msg.op == "push" else "names")
-        if msg.op == "pull" and names is None:  # every tensor
-            return total + sum(s.value.nbytes for s in self._slots.values())
+        if msg.op == "health" or (msg.op == "pull" and names is None):  # every tensor
+            if len(self._slots) * _ENTRY_BYTES > _INLINE_BYTES:
+                return _INLINE_BYTES + 1
+            if msg.op == "health":
+                return total
+            return total + sum(s.value.nbytes + _ENTRY_BYTES for s in self._slots.values())
         if isinstance(names, list):
             for n in names:
                 slot = self._slots.get(n) if isinstance(n, str) else None
-                total += 0 if slot is None else slot.value.nbytes
+                total += _ENTRY_BYTES + (0 if slot is None else slot.value.nbytes)
                 if total > _INLINE_BYTES:
                     break
         return total
@@ -518,6 +585,10 @@ class ShardServer:
 
     def _check_reply(self, op: str, tensors: Sequence[tuple[str, int]], extra: int = 0) -> None:
         """Refuse, before allocating anything, a reply that would exceed max_message_bytes."""
+        if len(tensors) > self.limits.max_tensors:
+            raise _err(f"{op}: the reply would hold {len(tensors)} tensors, above this shard's "
+                       f"max_tensors={self.limits.max_tensors} per message. Fix: ask for fewer "
+                       "tensors per call (name them)", "RESOURCE_EXHAUSTED")
         # Per tensor: its bytes, alignment, and its JSON entry (name, dtype, shape, offsets).
         total = 1024 + extra + sum(nbytes + 8 + 200 + 2 * len(name) for name, nbytes in tensors)
         if total > self.limits.max_message_bytes:
@@ -568,8 +639,13 @@ class ShardServer:
                grad: Callable[[], torch.Tensor]) -> list[Any]:
         """:func:`stratagem.ps.rules.offer`, then wake the version waiters if it applied."""
         result = rules.offer(slot, base, max_staleness, grad)
-        if result[1] == "applied":
+        if result[1] == "applied" or (result[1] == "refused" and slot.mode == "sync"):
             self._notify()
+        if result[1] == "refused":
+            self._throttle(f"refused:{slot.name}", logging.WARNING,
+                           f"parameter-server shard {self.address}: refused a step of "
+                           f"{slot.name!r} that would make it non-finite; it keeps its last "
+                           f"finite value ({slot.refused} refused so far)")
         return result
 
     # -- operations -----------------------------------------------------------------------
@@ -581,6 +657,7 @@ class ShardServer:
         fields = {
             "ok": True, "pid": os.getpid(), "num_tensors": len(slots),
             "bytes": sum(s.value.nbytes for s in slots), "dropped": sum(s.dropped for s in slots),
+            "refused": sum(s.refused for s in slots),
             "charged_bytes": charged, "max_bytes": self.max_bytes,
             "calls_in_flight": self._in_flight,
             "uptime_seconds": time.monotonic() - self._started,
@@ -624,12 +701,20 @@ class ShardServer:
                 cost += rules.cost(e.tensor, mode, spec)
                 todo.append((e, mode, spec, m.get("replicas_to_aggregate", 1)))
             self._check_quota("register", cost)
-            new = [rules.make_slot(e.name, e.tensor, mode, spec, replicas)
+            # Keep the received tensors as the slots' values (no copy) when the message is
+            # (nearly) all new tensors: a copy would double what registering costs, beyond
+            # the quota. A message carrying much else is copied so it is not kept alive.
+            adopted = sum(e.tensor.nbytes for e, _, _, _ in todo)
+            keep = msg.nbytes - adopted <= adopted // 8 + _ADOPT_SLACK
+            new = [rules.make_slot(e.name, e.tensor, mode, spec, replicas, copy=not keep)
                    for e, mode, spec, replicas in todo]  # any refusal: nothing was inserted
             for slot in new:
                 self._slots[slot.name] = slot
             self._charged += cost
-            slots = [self._slots[e.name] for e in msg.entries]
+            created = {s.name for s in new}
+            # The reply carries only the tensors registered before: the caller has the
+            # values it just created (echoing them would cost their size once more).
+            slots = [self._slots[e.name] for e in msg.entries if e.name not in created]
         return self._snapshot(slots, "register", {"created": [s.name for s in new]})
 
     def _pull(self, msg: Message) -> bytes:
@@ -659,7 +744,7 @@ class ShardServer:
         fetch = _names(msg.fields, "fetch")
         wanted = [self._slot(n) for n in fetch] if fetch is not None else []
         # Everything is checked before anything is applied: one bad tensor refuses the request.
-        checked: list[tuple[Slot, Entry]] = []
+        checked: list[tuple[Slot, Entry, Callable[[], torch.Tensor]]] = []
         for e in msg.entries:
             slot = self._slot(e.name)
             if slot.mode == "elastic":
@@ -669,13 +754,17 @@ class ShardServer:
             if e.version is None:
                 raise _err(f"gradient for {slot.name!r} carries no base version")
             rules.check_grad(slot, e.tensor)
-            checked.append((slot, e))
+            if rules.narrows(e.tensor.dtype, slot.value.dtype):
+                # Checked after the cast, before anything is applied (what will be stored).
+                cast = rules.to_slot_dtype(slot, e.tensor)
+                checked.append((slot, e, functools.partial(_same, cast)))
+            else:  # built lazily: a dropped gradient costs nothing
+                checked.append((slot, e, functools.partial(rules.to_slot_dtype, slot, e.tensor)))
         if fetch is not None:
             self._check_reply("push", [(s.name, s.value.nbytes) for s in wanted],
                               extra=64 * len(checked))
-        results = [self._offer(slot, e.version, max_staleness,
-                               functools.partial(rules.to_slot_dtype, slot, e.tensor))
-                   for slot, e in checked]
+        results = [self._offer(slot, e.version, max_staleness, grad)
+                   for slot, e, grad in checked]
         if fetch is None:
             return wire.encode("pushed", {"results": results})
         # Push and fetch in one round trip (a Downpour step): the values after this push.
@@ -695,12 +784,13 @@ class ShardServer:
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= shape[0]):
             raise _err(f"push_sparse: indices must be in [0, {shape[0]}) for {name!r}")
         rules.require_finite(values, f"gradient rows for {slot.name!r}")
+        cast = rules.to_slot_dtype(slot, values, "gradient rows")  # checked as it will be used
         base = next(e.version for e in msg.entries if e.name == "values")
         sparse = slot.mode == "async" and slot.spec is not None and ps_optim.supports_sparse(
             slot.spec)
 
         def grad() -> torch.Tensor:
-            v = values.to(slot.value.dtype)
+            v = cast
             if sparse:
                 return torch.sparse_coo_tensor(idx.unsqueeze(0), v, shape,
                                                check_invariants=True).coalesce()
@@ -757,19 +847,27 @@ class ShardServer:
         a = _float(msg.fields, "moving_rate")
         if not 0.0 < a <= 1.0:
             raise _err(f"moving_rate must be in (0, 1], got {a}")
-        checked: list[tuple[Slot, Entry]] = []
+        checked: list[tuple[Slot, str, torch.Tensor]] = []
         for e in msg.entries:
             slot = self._slot(e.name)
             if slot.mode != "elastic":
                 raise _err(f"tensor {e.name!r} is registered in mode {slot.mode!r}, not "
                            "'elastic'", "FAILED_PRECONDITION")
             rules.check_grad(slot, e.tensor, "elastic exchange")
-            checked.append((slot, e))
-        self._check_reply("elastic", [(s.name, s.value.nbytes) for s, _ in checked])
+            checked.append((slot, e.name, rules.to_slot_dtype(slot, e.tensor,
+                                                              "elastic exchange")))
+        self._check_reply("elastic", [(s.name, s.value.nbytes) for s, _, _ in checked])
         out = []
-        for slot, e in checked:
-            d, version = rules.elastic_exchange(slot, rules.to_slot_dtype(slot, e.tensor), a)
-            out.append(Entry(e.name, d, version))
+        for slot, name, x in checked:
+            try:
+                d, version = rules.elastic_exchange(slot, x, a)
+            except WireError:
+                self._throttle(f"refused:{slot.name}", logging.WARNING,
+                               f"parameter-server shard {self.address}: refused an elastic "
+                               f"exchange for {slot.name!r} that would make it non-finite "
+                               f"({slot.refused} refused so far)")
+                raise
+            out.append(Entry(name, d, version))
         self._notify()
         return wire.encode("elastic", None, out)
 
@@ -884,6 +982,15 @@ class ShardServer:
         return wire.encode("ok", {"stopping": True})
 
 
+def _header_bytes(request: bytes) -> int:
+    """The JSON header length a request's frame prefix declares (0 if it has none)."""
+    return int.from_bytes(request[8:12], "little") if len(request) >= 12 else 0
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _bracketed(host: str) -> str:
     h = host.strip("[]")
     return f"[{h}]" if ":" in h else host
@@ -968,6 +1075,7 @@ def serve_from_args(args: argparse.Namespace, prog: str) -> int:
         serve(args.host, args.port, port_file=args.port_file, token=token,
               tls_cert=args.tls_cert, tls_key=args.tls_key,
               max_message_bytes=args.max_message_bytes, max_bytes=args.max_bytes,
+              max_inflight_bytes=getattr(args, "max_inflight_bytes", None),
               max_concurrent_streams=args.max_concurrent_streams,
               max_connection_age=args.max_connection_age, body_timeout=args.body_timeout,
               max_workers=args.threads, intra_op_threads=args.intra_op_threads or None,

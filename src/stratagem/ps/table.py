@@ -28,14 +28,16 @@ from stratagem.ps.wire import Entry, Message
 
 __all__ = ["ShardedParameters", "PushOutcome", "PushFetch"]
 
-_STATUS_RANK = {"applied": 0, "accumulated": 1, "dropped": 2}
+_STATUS_RANK = {"applied": 0, "accumulated": 1, "dropped": 2, "refused": 3}
 
 
 class PushOutcome(NamedTuple):
     """What a shard did with one pushed gradient."""
 
     staleness: int  # shard version minus the version the gradient was computed on
-    status: str  # "applied", "accumulated" (sync, waiting for more replicas) or "dropped"
+    #: "applied", "accumulated" (sync, waiting for more replicas), "dropped" (stale) or
+    #: "refused" (the step would have made the tensor non-finite; it kept its value)
+    status: str
     version: int  # the tensor's version after the push
 
     @property
@@ -45,8 +47,8 @@ class PushOutcome(NamedTuple):
 
     @property
     def accepted(self) -> bool:
-        """Not dropped: applied, or held for the sync mean of this version."""
-        return self.status != "dropped"
+        """Not dropped or refused: applied, or held for the sync mean of this version."""
+        return self.status not in ("dropped", "refused")
 
 
 class PushFetch(NamedTuple):
@@ -180,9 +182,11 @@ class ShardedParameters:
         """Create the tensors on the shards (first registration wins); returns current values."""
         distinct: list[dict[str, Any]] = []
         reqs: list[Request] = []
+        own: dict[str, torch.Tensor] = {}
         for shard, parts in sorted(self._by_shard(self.names).items()):
             metas, entries = [], []
             for p in parts:
+                own[p.key] = _rows(self._params[p.name], p)
                 spec = self._specs[p.name]
                 idx = None
                 if spec is not None:
@@ -194,7 +198,15 @@ class ShardedParameters:
                 entries.append(Entry(p.key, _rows(self._params[p.name], p)))
             reqs.append((shard, "register", {"entries": metas, "specs": distinct}, entries))
         names = self.names
-        return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
+
+        def finish(msgs: list[Message]) -> dict[str, torch.Tensor]:
+            # A shard answers with the tensors registered before; those this call created
+            # hold our own values, at version 0 (a private copy, like a pull's).
+            mine = [Entry(k, own[k].detach().clone(), 0) for m in msgs
+                    for k in m.fields.get("created", []) if k in own]
+            return self._assemble([*msgs, Message("register", {}, mine)], names)
+
+        return self.client.submit(reqs, finish).result()
 
     def join(self, *, register: bool, timeout: float | None = None,
              poll: float = 0.05) -> dict[str, torch.Tensor]:

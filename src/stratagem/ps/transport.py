@@ -19,8 +19,10 @@ from typing import Any, Generic, TypeVar
 from stratagem.errors import ParameterServerUnavailable, StratagemError
 from stratagem.ps import auth as ps_auth
 from stratagem.ps import wire
+from stratagem.ps.addresses import check_address
 from stratagem.ps.rpc import grpc
 from stratagem.ps.wire import Entry, Message
+from stratagem.validation import check_timeout
 
 __all__ = ["PSClient", "PSFuture", "RemoteError", "Request"]
 
@@ -162,12 +164,17 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], *, token: str | None = None,
                  tls_root_cert: bytes | str | os.PathLike[str] | None = None,
                  tls_server_name: str | None = None, timeout: float = 60.0,
-                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+                 allow_plaintext: bool | None = None) -> None:
         if isinstance(addresses, str) or not addresses:
             raise ValueError(f"addresses must be a non-empty list of 'host:port', got "
                              f"{addresses!r}; e.g. STRATAGEM_PS_ADDRS.split(',')")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        for a in addresses:
+            check_address(a)
+        check_timeout("timeout", timeout)
+        if allow_plaintext is not None and not isinstance(allow_plaintext, bool):
+            raise ValueError(f"allow_plaintext must be None, True or False, got "
+                             f"{allow_plaintext!r}")
         self.addresses = list(addresses)
         self.timeout = float(timeout)
         self.limits = wire.Limits(max_message_bytes=max_message_bytes)
@@ -186,6 +193,9 @@ class PSClient:
             tls_root_cert = os.environ.get("STRATAGEM_PS_TLS_ROOT_CERT") or None
         if tls_server_name is None:
             tls_server_name = os.environ.get("STRATAGEM_PS_TLS_SERVER_NAME") or None
+        ps_auth.check_token_transport(self.addresses, token=token is not None,
+                                      tls=tls_root_cert is not None,
+                                      allow_plaintext=allow_plaintext)
         if tls_root_cert is not None:
             root = ps_auth.read_pem(tls_root_cert, "root certificate (tls_root_cert / "
                                               "STRATAGEM_PS_TLS_ROOT_CERT)")
@@ -276,6 +286,10 @@ class PSClient:
         calls = []
         sent = 0
         for shard, op, fields, entries in requests:
+            if len(entries) > self.limits.max_tensors:
+                raise ValueError(f"{op!r} to shard {self.addresses[shard]} holds {len(entries)} "
+                                 f"tensors, above max_tensors={self.limits.max_tensors} per "
+                                 "message; use more shards, or fewer tensors per call")
             data = wire.encode(op, fields, entries)
             if len(data) > self.limits.max_message_bytes:
                 raise ValueError(f"{op!r} to shard {self.addresses[shard]} is {len(data)} bytes, "

@@ -53,6 +53,7 @@ __all__ = [
     "decode",
     "channel_options",
     "tune_malloc",
+    "trim_malloc",
 ]
 
 MAGIC = b"SGPS"
@@ -107,7 +108,10 @@ class Limits:
 
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = 16 << 20
-    max_tensors: int = 100_000
+    #: Tensor entries per message. Each costs ~10 us to check and build, so this bounds a
+    #: message's decode (and a reply's size in entries) to tens of milliseconds; a shard
+    #: holding more tensors is asked for them by name, in several calls.
+    max_tensors: int = 4096
     max_name_chars: int = 1024
     max_ndim: int = 8
     max_json_depth: int = 8
@@ -135,6 +139,9 @@ class Message:
     op: str
     fields: dict[str, Any] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
+    #: Size of the received message in bytes (0 for one built locally): the buffer every
+    #: tensor of ``entries`` is a view of.
+    nbytes: int = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {e.name: e.tensor for e in self.entries}
@@ -169,6 +176,17 @@ def tune_malloc() -> bool:
         ok = libc.mallopt(m_mmap_threshold, 32 << 20)
         ok &= libc.mallopt(m_trim_threshold, 256 << 20)
         return bool(ok)
+    except (OSError, AttributeError):
+        return False
+
+
+def trim_malloc() -> bool:
+    """Hand freed heap memory back to the kernel (glibc ``malloc_trim(0)``); False where it
+    does not apply."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
 
@@ -266,8 +284,17 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
     head_end = _PREFIX.size + header_len
     if head_end > size:
         raise WireError(f"header length {header_len} runs past the end of a {size}-byte message")
+    raw_header = bytes(memoryview(data)[_PREFIX.size:head_end])
+    # Every JSON object is spelled with a "{", so this bounds the objects (tensor entries
+    # among them) before the parse, the costly part: a header of 13 000 empty tensors is
+    # refused in a fraction of a millisecond instead of being parsed first.
+    objects = raw_header.count(b"{")
+    if objects > 2 * lim.max_tensors + 64:
+        raise WireError(f"header holds up to {objects} JSON objects, more than the "
+                        f"{lim.max_tensors} tensors (max_tensors) a message may carry",
+                        status="RESOURCE_EXHAUSTED")
     try:
-        header = json.loads(bytes(memoryview(data)[_PREFIX.size:head_end]).decode("utf-8"),
+        header = json.loads(raw_header.decode("utf-8"),
                             parse_constant=_reject_constant,
                             parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -326,4 +353,4 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
             t = torch.frombuffer(data, dtype=dtype, count=nbytes // dtype.itemsize,
                                  offset=payload_start + offset).view(shape)
         entries.append(Entry(name, t, ver))
-    return Message(op, fields, entries)
+    return Message(op, fields, entries, size)
