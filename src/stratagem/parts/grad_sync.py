@@ -38,11 +38,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import Comm
 from ..compression import ErrorFeedback, compress
 from .base import Part
+from .tensors import broadcast_buffers
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "check_sync_batchnorm"]
 
 #: DDP's ``init_sync`` (torch >= 2.5; the package supports torch >= 2.4): whether its
 #: constructor checks the parameter shapes across ranks and broadcasts rank 0's parameters and
@@ -173,6 +174,7 @@ class GradientSync(Part):
         if self.comm.world_size == 1:
             return model
         device = module_device(module)
+        check_sync_batchnorm(self.comm, module, device)
         extra: dict[str, Any] = {}
         if not self.init_sync and _DDP_TAKES_INIT_SYNC:
             extra["init_sync"] = False
@@ -215,6 +217,13 @@ class GradientSync(Part):
         for feedback in self._feedback:
             feedback.commit(prune=True)
 
+    def finalize(self, prepared: "Prepared") -> None:
+        """Broadcast rank 0's buffers (BatchNorm running statistics), as DDP does before
+        each training forward: after the last forward every replica's statistics include its
+        own last batch, so without this ``eval_model`` on rank r > 0 would evaluate slightly
+        different statistics than the checkpoint (rank 0's) holds."""
+        broadcast_buffers(self.comm, prepared.module)
+
     def loaded(self, prepared: "Prepared") -> None:
         for feedback in self._feedback:
             feedback.reset()  # residuals of the pre-restore trajectory do not apply
@@ -223,6 +232,35 @@ class GradientSync(Part):
         if not self._feedback:
             return {}
         return {"error_feedback_norm": sum(f.residual_norm() for f in self._feedback)}
+
+
+def check_sync_batchnorm(comm: Comm, module: nn.Module, device: torch.device) -> None:
+    """Point every ``nn.SyncBatchNorm`` of ``module`` at ``comm``'s process group (torch's
+    default is the global group, which is not the strategy's under ``Hierarchical`` or with
+    ``comm=``), or refuse where torch's SyncBatchNorm cannot synchronise: it runs on CUDA
+    (and XPU/HPU) tensors only, and synchronises only when torch.distributed's default group
+    is initialised (a launched worker; not ranks run as threads)."""
+    syncs = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
+    if not syncs or comm.world_size == 1:
+        return
+    if device.type == "cpu":
+        raise ValueError(
+            f"the model has {len(syncs)} nn.SyncBatchNorm layer(s), which torch runs on GPU "
+            f"tensors only, and this strategy's device is {device}. Fix: keep nn.BatchNorm on "
+            "the CPU (Mirrored keeps rank 0's running statistics, broadcast by DDP before "
+            "each training forward; see docs/guide.md, BatchNorm and buffers), or convert "
+            "with nn.SyncBatchNorm.convert_sync_batchnorm only when training on CUDA")
+    if not dist.is_initialized():
+        raise ValueError(
+            f"the model has {len(syncs)} nn.SyncBatchNorm layer(s), and torch's SyncBatchNorm "
+            "synchronises only once torch.distributed's default process group is initialised "
+            "(it would silently compute per-replica statistics here). Fix: launch the job "
+            "(stratagem run / sg.launch / torchrun: the first strategy initialises the group), "
+            "or keep nn.BatchNorm")
+    if comm.group is None:
+        return
+    for m in syncs:
+        m.process_group = comm.group
 
 
 def module_device(module: nn.Module) -> torch.device:
