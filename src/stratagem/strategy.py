@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .comm import Comm
 from .context import InputContext, ReplicaContext, enter_replica, enter_scope
-from .data import DistributedLoader
+from .data import DistributedLoader, skip_first_batches
 from .errors import ReplicaMismatchError
 from .parts.base import Part
 from .precision import Autocast, Precision
@@ -638,8 +638,9 @@ class Strategy:
         """One last synchronisation, so that the consensus model (``eval_model``, ``save``)
         includes every local step taken since the last periodic synchronisation.
 
-        A collective: call it on every replica, at the end of training (``fit`` does). A
-        no-op for strategies that synchronise every step (OneDevice, Mirrored). Training may
+        A collective: call it on every replica, at the end of training (``fit`` does). For
+        strategies that synchronise every step it only sets the buffers (BatchNorm
+        statistics) to rank 0's (Mirrored, Sharded; nothing under OneDevice). Training may
         continue afterwards, and calling it twice is harmless. What it does per strategy is in
         the strategy's ``_finalize`` docstring (LocalSGD / DiLoCo: the workers' parameters are
         averaged and become the consensus; EASGD: a last elastic exchange; parameter server:
@@ -974,6 +975,59 @@ class Strategy:
                            input_pipeline_id=self.comm.slot,
                            num_replicas_in_sync=self.comm.num_slots)
         return input_fn(ctx)
+
+    # ------------------------------------------------------------------ porting helpers
+    # Counterparts of idioms that scripts written for Accelerate / Lightning Fabric use
+    # (issue 23; see the "Coming from DDP / Accelerate / Lightning Fabric / torchft" table in
+    # docs/guide.md). Each is a thin view of a mechanism the strategy already has.
+    def skip_first_batches(self, loader: Any, num_batches: int) -> Any:
+        """``loader`` positioned to skip its first ``num_batches`` batches in its next
+        iteration only (a resume in the middle of an epoch; Accelerate's
+        ``skip_first_batches``). A :class:`DistributedLoader` is positioned in place and
+        returned (no batch is loaded to be thrown away; later epochs start at 0); another
+        iterable is wrapped so that its next iteration drops the first ``num_batches``."""
+        return skip_first_batches(loader, num_batches)
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """Accelerate's ``with accelerator.accumulate(model):`` around one micro-batch
+        (forward, ``strategy.backward``, ``optimizer.step()``, ``optimizer.zero_grad()``).
+
+        Stratagem already counts micro-batches in ``strategy.backward``: gradients are not
+        communicated, ``optimizer.step()`` applies nothing and ``zero_grad()`` keeps the
+        gradients until the ``accumulation_steps``-th micro-batch, with or without this
+        context. It checks that ``model`` was prepared by this strategy and marks the block;
+        step an LR scheduler only when :attr:`sync_gradients` is True (an update was
+        applied), as Accelerate's prepared scheduler does."""
+        self._require_prepared(model, "accumulate")
+        yield
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the last ``strategy.backward`` completed an accumulated step (gradients
+        communicated; the next ``optimizer.step()`` applies an update), and until the next
+        micro-batch; Accelerate's ``accelerator.sync_gradients``."""
+        return self._micro == 0 or self._micro >= self.accumulation_steps or self._boundary_done
+
+    def barrier(self) -> None:
+        """Every replica waits here for the others (Accelerate's ``wait_for_everyone``,
+        ``dist.barrier``); a peer absent for ``timeout`` seconds raises
+        ``PeerTimeoutError`` naming it."""
+        self.comm.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The chief (replica 0) runs the block first, the other replicas after it has left
+        the block (a download, a cache build, a tokenizer's files; Accelerate's
+        ``main_process_first``). The others wait at most ``timeout`` seconds (the strategy's):
+        a chief that takes longer, or raises in the block, makes them raise
+        ``PeerTimeoutError`` naming rank 0. Fix for a long block: build the strategy with a
+        larger ``timeout``."""
+        if not self.is_chief:
+            self.barrier()
+        yield
+        if self.is_chief:
+            self.barrier()
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, Any]:

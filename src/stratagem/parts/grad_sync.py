@@ -38,12 +38,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..comm import Comm
 from ..compression import ErrorFeedback, compress
 from .base import Part
-from .tensors import gather_ranks, load_rank
+from .tensors import broadcast_buffers, gather_ranks, load_rank
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "check_sync_batchnorm"]
 
 #: Checkpoint key prefix of the error-feedback residuals (per rank: ``ef_residual.rank{r}/``).
 _EF_KEY = "ef_residual"
@@ -216,6 +216,7 @@ class GradientSync(Part):
         if self.comm.world_size == 1 and not self.comm.elastic:
             return model
         device = module_device(module)
+        check_sync_batchnorm(self.comm, module, device)
         extra: dict[str, Any] = {}
         if not self.init_sync and _DDP_TAKES_INIT_SYNC:
             extra["init_sync"] = False
@@ -268,6 +269,13 @@ class GradientSync(Part):
         # The residuals computed in this step's backward belong to the update just applied.
         for feedback in self._feedback:
             feedback.commit(prune=True)
+
+    def finalize(self, prepared: "Prepared") -> None:
+        """Broadcast rank 0's buffers (BatchNorm running statistics), as DDP does before
+        each training forward: after the last forward every replica's statistics include its
+        own last batch, so without this ``eval_model`` on rank r > 0 would evaluate slightly
+        different statistics than the checkpoint (rank 0's) holds."""
+        broadcast_buffers(self.comm, prepared.module)
 
     def loaded(self, prepared: "Prepared") -> None:
         for feedback in self._feedback:
@@ -323,6 +331,35 @@ class GradientSync(Part):
         if not self._feedback:
             return {}
         return {"error_feedback_norm": sum(f.residual_norm() for f in self._feedback)}
+
+
+def check_sync_batchnorm(comm: Comm, module: nn.Module, device: torch.device) -> None:
+    """Point every ``nn.SyncBatchNorm`` of ``module`` at ``comm``'s process group (torch's
+    default is the global group, which is not the strategy's under ``Hierarchical`` or with
+    ``comm=``), or refuse where torch's SyncBatchNorm cannot synchronise: it runs on CUDA
+    (and XPU/HPU) tensors only, and synchronises only when torch.distributed's default group
+    is initialised (a launched worker; not ranks run as threads)."""
+    syncs = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
+    if not syncs or comm.world_size == 1:
+        return
+    if device.type == "cpu":
+        raise ValueError(
+            f"the model has {len(syncs)} nn.SyncBatchNorm layer(s), which torch runs on GPU "
+            f"tensors only, and this strategy's device is {device}. Fix: keep nn.BatchNorm on "
+            "the CPU (Mirrored keeps rank 0's running statistics, broadcast by DDP before "
+            "each training forward; see docs/guide.md, BatchNorm and buffers), or convert "
+            "with nn.SyncBatchNorm.convert_sync_batchnorm only when training on CUDA")
+    if not dist.is_initialized():
+        raise ValueError(
+            f"the model has {len(syncs)} nn.SyncBatchNorm layer(s), and torch's SyncBatchNorm "
+            "synchronises only once torch.distributed's default process group is initialised "
+            "(it would silently compute per-replica statistics here). Fix: launch the job "
+            "(stratagem run / sg.launch / torchrun: the first strategy initialises the group), "
+            "or keep nn.BatchNorm")
+    if comm.group is None:
+        return
+    for m in syncs:
+        m.process_group = comm.group
 
 
 def module_device(module: nn.Module) -> torch.device:

@@ -163,3 +163,11 @@ def load_rank(state: dict[str, torch.Tensor], prefix: str, rank: int, world_size
         for k, t in zip(keys, tensors, strict=True):
             t.copy_(state[k])
     return True
+
+
+def broadcast_buffers(comm: Comm, module: nn.Module) -> None:
+    """Set every replica's (non-DTensor) buffers to rank 0's: one coalesced broadcast."""
+    buffers = [b for b in module.buffers() if type(b) is torch.Tensor]
+    if comm.world_size > 1 and buffers:
+        with torch.no_grad():
+            comm.broadcast_coalesced([b.data for b in buffers], src=0)

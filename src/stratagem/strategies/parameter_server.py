@@ -31,6 +31,7 @@ from torch import nn
 
 from ..compression import COMPRESSIONS, ErrorFeedback
 from ..errors import PeerTimeoutError
+from ..parts.tensors import broadcast_buffers
 from ..ps import optim as ps_optim
 from ..ps.addresses import shard_addresses
 from ..ps.link import PSLink
@@ -129,7 +130,7 @@ class ParameterServer(Strategy):
     empty: ``strategy.save`` reads the optimizer state from the shards and writes it in
     torch's ``state_dict`` format, so checkpoints move between strategies and shard counts.
     Parameters no optimizer steps, and buffers (BatchNorm statistics), stay local to each
-    worker; checkpoints hold the chief's buffers.
+    worker; checkpoints hold the chief's buffers, and ``finalize`` sets every worker's to them.
 
     A worker starting or restarting registers the model (the first registration wins) and
     starts from the values on the shards, without waiting for any other worker. Async mode
@@ -624,8 +625,9 @@ class ParameterServer(Strategy):
         """Flush what this worker has not pushed yet (gradients accumulated for
         ``push_every > 1``), wait for every worker's last push to land (a barrier over the
         process group), then pull the global model into this worker, so that every worker,
-        ``eval_model`` and ``save`` agree. Training may continue; a second call only pulls
-        again."""
+        ``eval_model`` and ``save`` agree. Buffers (BatchNorm running statistics), which
+        never go to the shards, are set to the chief's on every worker (one broadcast; what
+        checkpoints hold). Training may continue; a second call only pulls again."""
         st: _PSState = prepared.state["ps"]
         self._install(st)
         for ost in st.opts.values():
@@ -642,6 +644,7 @@ class ParameterServer(Strategy):
             self._install(st)
         self.comm.barrier()
         self._refresh(st)
+        broadcast_buffers(self.comm, prepared.module)
 
     def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
         st: _PSState = prepared.state["ps"]

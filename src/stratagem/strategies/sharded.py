@@ -39,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 # also imported for its helpers (row_range, release_host_memory) without any sharding.
 from ..comm import Comm
 from ..parts import Part
-from ..parts.tensors import is_dtensor
+from ..parts.grad_sync import check_sync_batchnorm
+from ..parts.tensors import broadcast_buffers, is_dtensor
 from ..precision import Precision
 from ..strategy import Prepared, Strategy
 
@@ -235,6 +236,7 @@ class FSDPSharding(Part):
             raise ValueError(f"the {type(module).__name__} given to prepare is already sharded "
                              "by fully_shard. Fix: pass the plain module; Sharded applies "
                              "fully_shard itself")
+        check_sync_batchnorm(self.comm, module, self.device)
         deferred = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
         template = _meta_template(module)
         before = dict(module.named_parameters(remove_duplicate=False))
@@ -281,6 +283,13 @@ class FSDPSharding(Part):
             else:
                 out[name] = value
         return out
+
+    def finalize(self, prepared: Prepared) -> None:
+        """Broadcast rank 0's buffers (BatchNorm running statistics): FSDP2 leaves buffers
+        replicated but never synchronises them, so each replica's drift with its own batches;
+        afterwards every replica, ``eval_model`` and the checkpoint hold rank 0's (DDP's
+        convention)."""
+        broadcast_buffers(self.comm, prepared.module)
 
     def load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> bool:
         """Full tensors (any checkpoint, any writer's world size): this replica keeps its
