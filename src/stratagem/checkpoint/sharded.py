@@ -44,6 +44,7 @@ import torch
 from ..comm import Comm
 from ..errors import CheckpointError
 from ..parts.tensors import is_dtensor
+from .tree import path_join
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -189,8 +190,13 @@ def shard_files(entry: dict[str, Any], where: str) -> list[str]:
 
 
 def _header_key(path: _Path) -> str:
-    """The safetensors name ``format.pack`` gives the tensor at ``path`` (``/k1/k2``)."""
-    return "".join(f"/{k}" for k in path)
+    """The safetensors name ``format.pack`` gives the tensor at ``path``: the key path as
+    :func:`.tree.path_join` prints it (``a.b[0]``, ``a['x y']``; ``_`` for the root), the
+    name :func:`.tree.encode` stores a tensor under when no other path prints alike."""
+    name = ""
+    for k in path:
+        name = path_join(name, k)
+    return name or "_"
 
 
 #: ``str(torch dtype)`` -> safetensors dtype code, for the dtypes a checkpoint may hold.
