@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
 
     parsed = parse_args(argv)
     index = len(argv) - len(parsed.training_script_args) - 1
-    if parsed.no_python or index < 0 or argv[index] != parsed.training_script:
+    if parsed.no_python or getattr(parsed, "run_path", False) or index < 0 \
+            or argv[index] != parsed.training_script:
         torchrun_main(argv)  # not a Python script (or an argv we cannot place): as is
         return 0
     directory = tempfile.mkdtemp(prefix="stratagem-errors-")  # 0700: ours alone

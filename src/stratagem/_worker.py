@@ -220,11 +220,13 @@ def _main(argv: list[str]) -> None:
         directory = os.environ.get(ERROR_DIR_ENV)
         written = False
         if directory:
-            with contextlib.suppress(OSError, TypeError, ValueError):
+            try:
                 record_exception(exc, directory)
                 written = True
+            except Exception:  # noqa: BLE001 - e.g. an exception whose str() raises
+                pass
         if not written:
-            raise
+            raise  # printed by Python as usual
         raise SystemExit(1) from None
 
 
