@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test test-gpu bench lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -x --durations=15
+
+# The CUDA checks (tests/gpu), with the torch already installed (a CUDA build): no install
+# step, so a GPU machine's own torch is the one tested. Skipped test by test without CUDA.
+test-gpu:
+	PYTHONPATH=src $(PY) -m pytest tests/gpu -rs
 
 bench: $(STAMP)
 	$(BIN)/stratagem bench

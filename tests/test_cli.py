@@ -129,7 +129,7 @@ def test_run_two_workers_with_strategy_env(tmp_path: Path) -> None:
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE_SCRIPT)
     r = _stratagem("run", "--nproc", "2", "--strategy", "LocalSGD", "--strategy-arg", "period=4",
-                   "--strategy-arg", "warmup_steps=0", "--strategy-arg", "mode=sync",
+                   "--strategy-arg", "warmup_steps=0", "--strategy-arg", "precision=bf16",
                    str(script), "hello", "--flag")
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
@@ -137,7 +137,8 @@ def test_run_two_workers_with_strategy_env(tmp_path: Path) -> None:
     for x in lines:
         assert x["sum"] == 3.0 and x["argv"] == ["hello", "--flag"]
         assert x["strategy"] == "LocalSGD" and x["ps"] is None
-        assert json.loads(x["strategy_args"]) == {"period": 4, "warmup_steps": 0, "mode": "sync"}
+        assert json.loads(x["strategy_args"]) == {"period": 4, "warmup_steps": 0,
+                                                  "precision": "bf16"}
 
 
 @pytest.mark.timeout(90)

@@ -156,6 +156,35 @@ def test_async_buckets_equal_one_call_per_shard(optimizer):
     assert calls[None] >= 12 and calls[256 / (1 << 20)] >= calls[None] + 12
 
 
+def test_bucket_cap_mb_default_by_link(shards):
+    # "auto" (the default): one call per shard when every shard is on this machine, today's
+    # pipelined 0.125 MB buckets when one is elsewhere; an explicit value always wins.
+    # 198.51.100.7 (TEST-NET-2) is held by no interface here; nothing connects to it.
+    remote = ["127.0.0.1:1", "198.51.100.7:2"]
+    assert _ps(shards).bucket_cap_mb == "auto"
+    assert _ps(shards).resolved_bucket_cap_mb is None
+    assert _ps(["localhost:1", "[::1]:2"]).resolved_bucket_cap_mb is None
+    assert _ps(remote).resolved_bucket_cap_mb == 0.125
+    assert _ps(remote, bucket_cap_mb=None).resolved_bucket_cap_mb is None
+    assert _ps(shards, bucket_cap_mb=0.5).resolved_bucket_cap_mb == 0.5
+    # And it is what the step uses: loopback shards get one call per shard per step, as
+    # bucket_cap_mb=None does, and fewer than explicit buckets.
+    data = make_data()
+    calls = {}
+    for cap in ("auto", None, 256 / (1 << 20)):
+        servers, addrs = start_local_shards(2)
+        try:
+            s = _ps(addrs, small_tensor_bytes=64, **({} if cap == "auto" else
+                                                     {"bucket_cap_mb": cap}))
+            train(s, data, steps=4, lr=0.05)
+            calls[cap] = s._ps.connect().stats()["calls"]
+            s.close()
+        finally:
+            for server in servers:
+                server.stop(0)
+    assert calls["auto"] == calls[None] < calls[256 / (1 << 20)]
+
+
 def test_staleness_lr_reaches_the_shards_and_survives_an_lr_schedule(shards):
     # One worker: every push has staleness 0, so lr / max(1, 0) is the plain step; what is
     # checked is that the switch travels with the spec (and with a scheduler's lr change).
@@ -258,8 +287,10 @@ def test_unsupported_optimizer_names_the_valid_ones(shards):
     ({"prefetch": 1}, "prefetch must be None, True or False, got 1"),
     ({"staleness_lr": "yes"}, "staleness_lr must be True or False, got 'yes'"),
     ({"mode": "sync", "staleness_lr": True}, "staleness_lr=True applies to mode='async'"),
-    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be None or a positive number of MB, got 0"),
-    ({"bucket_cap_mb": True}, "bucket_cap_mb must be None or a positive number of MB"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be None, 'auto' or a positive number of MB, "
+                           "got 0"),
+    ({"bucket_cap_mb": True}, "bucket_cap_mb must be None, 'auto' or a positive number of MB"),
+    ({"bucket_cap_mb": "big"}, "bucket_cap_mb must be None, 'auto' or a positive number"),
 ])
 def test_invalid_arguments_name_the_value(shards, kwargs, text):
     with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):

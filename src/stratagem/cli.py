@@ -388,12 +388,14 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.strategy:
-        from stratagem.registry import canonical_name
+        from stratagem._argcheck import cli_problem
 
-        try:
-            canonical_name(args.strategy)  # fail here, not in every worker after start-up
-        except ValueError as e:
-            print(f"stratagem run: error: --strategy: {e}", file=sys.stderr)
+        # Built once here, as every worker will build it: fail now, not in each of them.
+        nnodes = int((args.nnodes or "1").split(":")[-1])
+        problem = cli_problem(args.strategy, strategy_args, world_size=args.nproc * nnodes,
+                              local_world_size=args.nproc, num_ps=args.num_ps)
+        if problem is not None:
+            print(f"stratagem run: error: {problem}", file=sys.stderr)
             return 2
     if args.num_ps and not _single_node(args):
         print(f"stratagem run: error: --num-ps {args.num_ps} starts shards on this machine only "

@@ -537,6 +537,11 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     ``nprocs // K`` processes (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``... as torchrun
     sets them on each node; ``ValueError`` naming both numbers unless K divides ``nprocs``).
 
+    A strategy named in the workers' environment (``STRATAGEM_STRATEGY`` and
+    ``STRATAGEM_STRATEGY_ARGS``, from ``env`` or this process) is built here first, without
+    joining anything: an unknown argument or a bad value raises its ``TypeError`` /
+    ``ValueError`` here, before any worker starts.
+
     On failure: the first worker to raise, exit non-zero or die by a signal is reported as
     :class:`~stratagem.WorkerError` naming its rank (with its traceback when it raised), after
     every other worker has been stopped (SIGTERM, SIGKILL after a few seconds). If the job
@@ -583,6 +588,12 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                      "process group)")
     check_nnodes(nprocs, nnodes)
     _check_picklable_target(fn)
+    # Issue 23: a strategy named in the workers' environment is built here first, so a bad
+    # argument raises once in the caller instead of in every worker.
+    from stratagem._argcheck import check_launch_env
+
+    check_launch_env({**os.environ, **(env or {})}, world_size=nprocs,
+                     local_world_size=nprocs // nnodes, num_ps=num_ps)
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     shards: PSShards | None = None

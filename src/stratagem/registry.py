@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._argnames import check_names
 from .comm import Comm
 from .context import set_default_strategy_factory
 
@@ -114,9 +115,17 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def from_name(name: str, **kwargs: Any) -> Strategy:
-    """Build a strategy from its short name; ``kwargs`` override the preset arguments."""
+    """Build a strategy from its short name; ``kwargs`` override the preset arguments.
+
+    An unknown argument is a ``TypeError`` naming it, the nearest valid name and the
+    strategy's arguments (one line, the same that ``stratagem run`` prints before starting
+    any worker); a bad value raises the strategy's own ``ValueError`` / ``TypeError``."""
     entry = _BY_NAME[canonical_name(name)]
-    return strategy_class(entry.name)(**{**entry.preset, **kwargs})
+    cls = strategy_class(entry.name)
+    args = {**entry.preset, **kwargs}
+    check_names(entry.name, cls, args,
+                resolve=lambda spec: (canonical_name(spec), strategy_class(spec)))
+    return cls(**args)
 
 
 def from_env(default: str = "one_device", **kwargs: Any) -> Strategy:

@@ -1,4 +1,6 @@
-"""Where the parameter-server shards are: an explicit list or ``STRATAGEM_PS_ADDRS``.
+"""Where the parameter-server shards are: an explicit list or ``STRATAGEM_PS_ADDRS``, and
+whether they are on this machine (:func:`all_on_this_host`: what ``ParameterServer`` picks its
+default ``bucket_cap_mb`` from).
 
 An address is ``host:port``: a DNS name or IPv4 address, or a bracketed IPv6 address
 (``[::1]:5000``), and a port in 1..65535. Nothing else reaches gRPC: its other target forms
@@ -11,9 +13,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 from collections.abc import Sequence
 
-__all__ = ["shard_addresses", "check_address"]
+from stratagem._rendezvous import interface_of_address, is_loopback
+
+__all__ = ["shard_addresses", "check_address", "is_on_this_host", "all_on_this_host"]
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,62}))*\.?$")
 
@@ -73,3 +78,32 @@ def shard_addresses(given: str | Sequence[str] | None, *, who: str) -> list[str]
         except ValueError as exc:
             raise ValueError(f"{who}: {source}: {exc}") from None
     return addresses
+
+
+def is_on_this_host(address: str) -> bool:
+    """Whether the shard at ``address`` (``host:port``) runs on this machine: its host is
+    loopback (``localhost``, 127.0.0.0/8, ``::1``), or every IPv4 address it names or resolves
+    to is held by an interface of this machine (in this network namespace: a shard in another
+    namespace behind a shaped link is remote). A name that does not resolve, or a non-loopback
+    IPv6 address, counts as remote (the choice that is never slow on a slow link)."""
+    host = address.strip().rpartition(":")[0].strip().strip("[]")
+    if not host:
+        return False
+    if is_loopback(host):
+        return True
+    try:
+        ips = [str(ipaddress.ip_address(host))]
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return False
+        ips = sorted({str(info[4][0]) for info in infos})
+    return bool(ips) and all(
+        is_loopback(ip) or interface_of_address(ip) is not None for ip in ips)
+
+
+def all_on_this_host(addresses: Sequence[str]) -> bool:
+    """Whether every shard address is on this machine (:func:`is_on_this_host`); False for an
+    empty list."""
+    return bool(addresses) and all(is_on_this_host(a) for a in addresses)

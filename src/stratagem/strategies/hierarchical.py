@@ -90,6 +90,9 @@ class Hierarchical(Strategy):
 
     name = "hierarchical"
     _synchronous_step = True
+    #: Keys with these prefixes go to the strategy named by ``inner`` / ``outer``: what
+    #: ``sg.from_name`` checks them against (stratagem._argnames).
+    _argument_prefixes = _PREFIXES
 
     def __init__(self, *, inner: Strategy | str = "mirrored", outer: Strategy | str = "diloco",
                  local_world_size: int | None = None, **kwargs: Any) -> None:

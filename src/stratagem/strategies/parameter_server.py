@@ -33,7 +33,7 @@ from ..compression import COMPRESSIONS, ErrorFeedback
 from ..errors import PeerTimeoutError
 from ..parts.tensors import broadcast_buffers
 from ..ps import optim as ps_optim
-from ..ps.addresses import shard_addresses
+from ..ps.addresses import all_on_this_host, shard_addresses
 from ..ps.link import PSLink
 from ..strategy import Prepared, Strategy, StrategyOptimizer
 from ..validation import check_int
@@ -49,6 +49,9 @@ _MODES = ("async", "sync")
 #: At most this many push-fetch calls per step (bucket_cap_mb is raised for big models): each
 #: is an HTTP/2 stream, and shards cap the streams of one connection.
 _MAX_BUCKETS = 16
+#: ``bucket_cap_mb="auto"`` with a shard on another machine: pipelined buckets of this size.
+_REMOTE_BUCKET_CAP_MB = 0.125
+_UNRESOLVED = object()
 
 
 @dataclass
@@ -112,11 +115,17 @@ class ParameterServer(Strategy):
       counted in ``nonfinite_pushes_skipped``.
     - ``prefetch`` (None, True, False; default None = ``False`` in async mode, ``True`` in
       sync mode): overlap the fetch with the next step's compute (see below).
-    - ``bucket_cap_mb`` (async, default 0.125; None: one call per shard): the push-fetch of a
-      step is cut into concurrent calls of about that many MB (big tensors are split into
-      parts of that size on the shards unless a ``partitioner`` is given), so the new values
-      of one bucket stream down while the next bucket's gradient streams up (full duplex).
-      Raised so a step makes at most 16 calls. Results are unchanged (tested equal).
+    - ``bucket_cap_mb`` (async; a number of MB, None, or ``"auto"``, the default): the
+      push-fetch of a step is cut into concurrent calls of about that many MB (big tensors are
+      split into parts of that size on the shards unless a ``partitioner`` is given), so the
+      new values of one bucket stream down while the next bucket's gradient streams up (full
+      duplex); raised so a step makes at most 16 calls. None: one call per shard. ``"auto"``
+      picks by link when the model is prepared: None when every shard address is on this
+      machine (loopback, or an address of one of its interfaces: there the pipelining only
+      adds calls, 0.37-0.53x a bare gRPC echo's throughput against 0.69-0.77x for one call per
+      shard), else 0.125 (slow links: 0.73-0.81x Mirrored's time to target at 20 Mbit/s). An
+      explicit value always wins; ``resolved_bucket_cap_mb`` tells which one applies. Results
+      are unchanged either way (tested equal).
     - ``staleness_lr`` (async, bool, default False): the shards apply a gradient of
       staleness ``s`` with ``lr / max(1, s)`` (Zhang et al., "Staleness-aware Async-SGD for
       Distributed Deep Learning", IJCAI 2016).
@@ -191,7 +200,8 @@ class ParameterServer(Strategy):
                  max_staleness: int | None = None, replicas_to_aggregate: int | None = None,
                  partitioner: Partitioner | None = None, small_tensor_bytes: int = 65536,
                  compression: str | None = None, error_feedback: bool = False,
-                 prefetch: bool | None = None, staleness_lr: bool = False, bucket_cap_mb: float | None = 0.125,
+                 prefetch: bool | None = None, staleness_lr: bool = False,
+                 bucket_cap_mb: float | str | None = "auto",
                  ps_addresses: str | Sequence[str] | None = None,
                  **common: Any) -> None:
         if mode not in _MODES:
@@ -231,11 +241,12 @@ class ParameterServer(Strategy):
             # Measured (docs/guide.md, "Prefetch"): async prefetch makes every gradient one
             # fetch staler, which cost ~2x the steps; sync prefetch changes no result.
             prefetch = mode == "sync"
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(
-                bucket_cap_mb, (int, float)) or not 0 < bucket_cap_mb < 1 << 20):
-            raise ValueError(f"bucket_cap_mb must be None or a positive number of MB, got "
-                             f"{bucket_cap_mb!r}. Fix: pass e.g. bucket_cap_mb=0.125, or None "
-                             "for one call per shard")
+        if bucket_cap_mb is not None and bucket_cap_mb != "auto" and (
+                isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                or not 0 < bucket_cap_mb < 1 << 20):
+            raise ValueError(f"bucket_cap_mb must be None, 'auto' or a positive number of MB, "
+                             f"got {bucket_cap_mb!r}. Fix: pass e.g. bucket_cap_mb=0.125, None "
+                             "for one call per shard, or 'auto' (by where the shards are)")
         if not isinstance(staleness_lr, bool):
             raise ValueError(f"staleness_lr must be True or False, got {staleness_lr!r}")
         if staleness_lr and mode == "sync":
@@ -255,6 +266,7 @@ class ParameterServer(Strategy):
         self.compression = compression
         self.prefetch = prefetch
         self.bucket_cap_mb = bucket_cap_mb
+        self._resolved_bucket_cap_mb: object = _UNRESOLVED
         self.staleness_lr = staleness_lr
         self._feedback = ErrorFeedback(compression, deferred=True) \
             if error_feedback and compression is not None else None
@@ -354,14 +366,27 @@ class ParameterServer(Strategy):
             st.hooks.append(prepared.module.register_state_dict_pre_hook(
                 lambda module, prefix, keep_vars: self._install(st)))
 
+    @property
+    def resolved_bucket_cap_mb(self) -> float | None:
+        """The ``bucket_cap_mb`` in force: the given value, or for ``"auto"`` None (one call
+        per shard) when every shard is on this machine, else :data:`_REMOTE_BUCKET_CAP_MB`.
+        Worked out once (it may resolve host names)."""
+        if self._resolved_bucket_cap_mb is _UNRESOLVED:
+            cap = self.bucket_cap_mb
+            if cap == "auto":
+                cap = None if all_on_this_host(self.ps_addresses) else _REMOTE_BUCKET_CAP_MB
+            self._resolved_bucket_cap_mb = cap
+        return self._resolved_bucket_cap_mb  # type: ignore[return-value]
+
     def _bucket_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
         """Async: the bytes per push-fetch call (``bucket_cap_mb``, raised so a step makes at
         most ``_MAX_BUCKETS`` calls); None for one call per shard."""
-        if self.mode != "async" or self.bucket_cap_mb is None:
+        cap_mb = self.resolved_bucket_cap_mb
+        if self.mode != "async" or cap_mb is None:
             return None
         total = sum(p.numel() * p.element_size() for k, p in by_key.items()
                     if k not in sparse)
-        cap = max(1, int(self.bucket_cap_mb * (1 << 20)))
+        cap = max(1, int(cap_mb * (1 << 20)))
         return max(cap, -(-total // _MAX_BUCKETS))
 
     def _rows_hook(self, st: _PSState, key: str) -> Any:
