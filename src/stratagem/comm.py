@@ -43,7 +43,8 @@ from ._rendezvous import bound_tcp_store
 from .errors import PeerTimeoutError
 from .quantize import DEFAULT_BLOCK, check_block, dequantize, q_max, quantize
 
-__all__ = ["Comm", "NodeGroups", "new_group", "release_all", "live_backend_threads", "bucketed"]
+__all__ = ["Comm", "NodeGroups", "Heartbeat", "new_group", "release_all", "live_backend_threads",
+           "bucketed"]
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -58,7 +59,7 @@ T = TypeVar("T")
 BROADCAST_BUCKET_BYTES = 32 << 20
 
 
-_LIVE_HEARTBEATS: weakref.WeakSet[_Heartbeat] = weakref.WeakSet()
+_LIVE_HEARTBEATS: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 #: Every Comm not yet closed (``release_all`` closes them at interpreter exit).
 _LIVE_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
 #: True while the default process group is one that ``Comm.from_env`` created.
@@ -107,7 +108,7 @@ def release_all() -> None:
     _destroy_default_group()
 
 
-class _Heartbeat:
+class Heartbeat:
     """A daemon thread bumping a counter in the store so a failed collective can tell a dead
     peer (counter frozen) from a slow one (counter moving, collective progress behind)."""
 
@@ -208,7 +209,7 @@ class Comm:
         self.seconds = 0.0
         self.num_collectives = 0
         self._heartbeat = (
-            _Heartbeat(store, rank, lambda: self.num_collectives)
+            Heartbeat(store, rank, lambda: self.num_collectives)
             if heartbeat and store is not None and world_size > 1
             else None
         )

@@ -176,11 +176,11 @@ class FaultTolerantComm(Comm):
                          device=device)
         self._beat = None
         if job_store is not None:
-            from ..comm import _Heartbeat
+            from ..comm import Heartbeat
 
             # Liveness of every slot in the job's store: what names the missing replicas when
             # a quorum cannot form.
-            self._beat = _Heartbeat(job_store, slot, lambda: self.quorums)
+            self._beat = Heartbeat(job_store, slot, lambda: self.quorums)
 
     # ------------------------------------------------------------------ membership
     @property
