@@ -228,6 +228,8 @@ class FaultTolerantComm(Comm):
         behind); idempotent while a transaction is open."""
         if self._open:
             return
+        if self.quorums == 0 and not self._joining:
+            self._await_launched_replicas()
         t0 = time.perf_counter()
         self._healed = False
         try:
@@ -265,6 +267,24 @@ class FaultTolerantComm(Comm):
                 f"the quorum has {self._world} replica(s), fewer than min_replicas="
                 f"{self.min_replicas}. Fix: restart the missing workers or lower min_replicas",
                 missing=tuple(self._missing_slots()))
+
+    def _await_launched_replicas(self) -> None:
+        """Before the job's first quorum, wait (at most ``timeout``) until every replica the
+        job was launched with has its manager up. Without it the first replica to finish
+        importing torch forms a quorum alone and torchft's Lighthouse may keep it apart from
+        the others (seen: one replica training alone beside a quorum of two)."""
+        store = self._job_store
+        if store is None or self.num_slots <= 1:
+            return
+        with contextlib.suppress(Exception):
+            store.add("ft/started", 1)
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline:
+                if int(store.add("ft/started", 0)) >= self.num_slots:
+                    # Let every manager's heartbeat reach the Lighthouse before asking.
+                    time.sleep(0.3)
+                    return
+                time.sleep(0.05)
 
     def commit(self) -> bool:
         """True when every replica of the quorum completed this transaction's collectives;
