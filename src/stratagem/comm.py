@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 # Imported before any process group exists, on purpose: this torch module evaluates
 # ``group.WORLD`` in the default arguments of its functions at import time, so importing it
@@ -607,7 +608,9 @@ class Comm:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         t0 = time.perf_counter()
         self.num_collectives += 1
-        self._wait(group.allgather([out], [tensor]), "all_gather")
+        # Options passed explicitly: a Python process group (torchft's reconfigurable one, under
+        # a fault-tolerant Comm) takes them positionally.
+        self._wait(group.allgather([out], [tensor], AllgatherOptions()), "all_gather")
         nbytes = (self.world_size - 1) * tensor.numel() * tensor.element_size()
         self.account(nbytes, nbytes, time.perf_counter() - t0)
         return out

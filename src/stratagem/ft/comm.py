@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions as _AllgatherOptions
 
 from .._rendezvous import bound_tcp_store
 from ..comm import Comm
@@ -322,9 +321,7 @@ class FaultTolerantComm(Comm):
         for slot in range(self.num_slots):
             with contextlib.suppress(Exception):
                 if store.check([f"hb/{slot}"]):
-                    first = store.get(f"hb/{slot}")
-                    time.sleep(0.0)
-                    alive.append((slot, first))
+                    alive.append((slot, store.get(f"hb/{slot}")))
         time.sleep(1.5)
         moving = set()
         for slot, first in alive:
@@ -409,19 +406,10 @@ class FaultTolerantComm(Comm):
         return out
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        group = self._live_group()
+        self._live_group()
         if self._skipped():
             return [tensor.clone() for _ in range(self._world)]
-        # torchft's reconfigurable group takes the options positionally (the base Comm's
-        # call leaves them out), so the same-shape all-gather is spelled out here.
-        tensor = tensor.contiguous()
-        out = [torch.empty_like(tensor) for _ in range(self._world)]
-        t0 = time.perf_counter()
-        self.num_collectives += 1
-        self._wait(group.allgather([out], [tensor], _AllgatherOptions()), "all_gather")
-        nbytes = (self._world - 1) * tensor.numel() * tensor.element_size()
-        self.account(nbytes, nbytes, time.perf_counter() - t0)
-        return out
+        return super().all_gather(tensor)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._live_group()
