@@ -94,3 +94,45 @@ def test_distribute_datasets_from_function_input_context():
     with pytest.raises(ValueError, match="not divisible"):
         sg.InputContext(num_input_pipelines=3, input_pipeline_id=0, num_replicas_in_sync=3) \
             .get_per_replica_batch_size(64)
+
+
+class _Rows(Dataset):
+    """A map-style dataset (the DataLoader path of DistributedLoader)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("dataset", ["tensors", "map-style"])
+def test_a_heal_during_an_iteration_moves_it_to_the_peers_position(dataset):
+    # Fault tolerance: a replica one step behind is healed between two of its steps; its
+    # running iteration must continue at the peer's position (it used to continue at its own,
+    # one batch apart from its peers for the rest of the run).
+    data = (torch.arange(40),) if dataset == "tensors" else _Rows()
+
+    def ids(batch):
+        return (batch[0] if isinstance(batch, (tuple, list)) else batch).flatten().tolist()
+
+    peer = DistributedLoader(data, 8, num_replicas=2, replica_id=0, shuffle=True, seed=1)
+    expected = [ids(b) for b in peer]  # epoch 0, steps 0..4
+    loader = DistributedLoader(data, 8, num_replicas=2, replica_id=0, shuffle=True, seed=1)
+    it = iter(loader)
+    assert ids(next(it)) == expected[0]
+    loader.fast_forward({"epoch": 0, "step_in_epoch": 3})  # the peer has trained 3 steps
+    assert ids(next(it)) == expected[3] and loader.step_in_epoch == 4
+    assert [ids(b) for b in it] == [expected[4]]
+    # A peer in a later epoch: this iteration ends, and that epoch resumes at its step.
+    loader.set_epoch(0)
+    it = iter(loader)
+    next(it)
+    loader.fast_forward({"epoch": 2, "step_in_epoch": 1})
+    assert list(it) == []
+    peer.set_epoch(2)
+    later = [ids(b) for b in peer]
+    loader.set_epoch(1)
+    assert list(loader) == []  # an epoch the peers have finished
+    loader.set_epoch(2)
+    assert [ids(b) for b in loader] == later[1:]

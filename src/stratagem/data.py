@@ -132,7 +132,11 @@ class DistributedLoader:
     def fast_forward(self, state: dict[str, int]) -> None:
         """Continue from a live peer's position (a replica healed into a fault-tolerant job):
         iterations for epochs before ``state["epoch"]`` yield nothing, and that epoch starts
-        at ``state["step_in_epoch"]``, so the user's own epoch loop catches up by itself."""
+        at ``state["step_in_epoch"]``, so the user's own epoch loop catches up by itself.
+
+        A heal can arrive while an iteration is running (a replica that fell one step behind
+        is healed between two of its steps): that iteration moves to the peer's position
+        before its next batch, or ends if the peer is in a later epoch."""
         self._resume_at = (int(state["epoch"]), int(state["step_in_epoch"]))
         self.epoch = max(self.epoch, self._resume_at[0])
 
@@ -174,22 +178,43 @@ class DistributedLoader:
             if self.epoch == epoch:
                 self._start_step = step
             self._resume_at = None
-        batches = self._index_batches()[self._start_step:]
-        self.step_in_epoch = self._start_step
+        epoch = self.epoch
+        batches = self._index_batches()
+        step = self._start_step
+        self.step_in_epoch = step
         self._start_step = 0
+        while step < len(batches):
+            source = self._batches_from(batches, step)
+            for batch in source:
+                if self._resume_at is not None:  # healed between two steps: jump
+                    break
+                step += 1
+                self.step_in_epoch = step
+                yield batch
+            else:
+                return
+            assert self._resume_at is not None
+            target_epoch, target = self._resume_at
+            if target_epoch > epoch:
+                return  # the peer is in a later epoch: __iter__ of that epoch resumes it
+            self._resume_at = None
+            # The peer's position in this epoch; (epoch - 1, end) is this epoch's start.
+            step = target if target_epoch == epoch else 0
+            self.step_in_epoch = step
+
+    def _batches_from(self, batches: list[torch.Tensor], start: int) -> Iterator[Any]:
+        """The batches of ``batches[start:]``, loaded and moved to the device one at a time."""
         if self._tensors is not None:
-            for idx in batches:
-                self.step_in_epoch += 1
+            for idx in batches[start:]:
                 yield move_to_device(tuple(t[idx] for t in self._tensors), self.device)
             return
         loader = DataLoader(
             self.dataset,  # type: ignore[arg-type]
-            batch_sampler=[idx.tolist() for idx in batches],  # type: ignore[arg-type]
+            batch_sampler=[idx.tolist() for idx in batches[start:]],  # type: ignore[arg-type]
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
         )
         for batch in loader:
-            self.step_in_epoch += 1
             yield move_to_device(batch, self.device)
 
 
