@@ -46,8 +46,21 @@ class LocalSGD(Strategy):
     (saved per rank). Steps skipped for non-finite gradients are agreed across workers, so
     every worker counts the same local steps.
 
-    Arguments: ``period`` (int >= 1), ``warmup_steps`` (int >= 0), plus the common strategy
-    arguments.
+    Arguments: ``period`` (int >= 1), ``warmup_steps`` (int >= 0), ``compression`` (None,
+    "bf16", "fp16", "int8" or "int4"; issue 24), plus the common strategy arguments.
+
+    ``compression``: what crosses the wire at an average. The parameters themselves are not
+    compressible (a 16-bit or 4-bit copy of the weights would lose the model), so a compressed
+    average sends each worker's *change since the last average*, ``theta_last - theta_i``, and
+    the new parameters are ``theta_last - mean_i(theta_last - theta_i)``: the same average,
+    computed as DiLoCo's outer step with outer SGD ``lr=1, momentum=0`` (one
+    :class:`~stratagem.parts.OuterStep`, so the quantized all-reduce, its error feedback and
+    checkpointed residuals are DiLoCo's). It keeps ``theta_last`` (one copy of the parameters;
+    two with "int8"/"int4", whose fp32 residuals are the other). Between averages
+    ``eval_model`` and checkpoints hold ``theta_last``, as under DiLoCo (uncompressed: the
+    mean of the local models); ``finalize`` averages first, so a final model is the average
+    either way. ``warmup_steps`` needs ``compression=None`` (warm-up averages every step,
+    where compression saves nothing worth its error).
 
     On failure: a dead or stalled peer makes the averaging all-reduce fail within ``timeout``
     seconds and ``optimizer.step()`` raises ``PeerTimeoutError`` naming it; resume from the
@@ -61,7 +74,8 @@ class LocalSGD(Strategy):
     _fault_tolerance = True
     _local_optimizer_state = True
 
-    def __init__(self, *, period: int = 8, warmup_steps: int = 0, **common: Any) -> None:
+    def __init__(self, *, period: int = 8, warmup_steps: int = 0,
+                 compression: str | None = None, **common: Any) -> None:
         self.period = check_int(
             "period", period, minimum=1,
             fix="pass the number of local steps between averages, e.g. period=8")
@@ -69,10 +83,24 @@ class LocalSGD(Strategy):
             "warmup_steps", warmup_steps, minimum=0,
             fix="pass 0 for no warm-up, or the number of initial steps to average after every "
                 "step")
+        self.compression = check_compression(compression, kinds=OUTER_KINDS)
+        if compression is not None and warmup_steps:
+            raise ValueError(f"LocalSGD(compression={compression!r}) averages changes since the "
+                             f"last average and has no warm-up, got warmup_steps={warmup_steps}. "
+                             "Fix: pass warmup_steps=0, or compression=None")
         super().__init__(**common)
 
     def _build_parts(self, comm: Comm) -> list[Part]:
-        return [ParameterAveraging(comm, period=self.period, warmup_steps=self.warmup_steps)]
+        if self.compression is None:
+            return [ParameterAveraging(comm, period=self.period, warmup_steps=self.warmup_steps)]
+        # The average as an outer SGD step of lr 1 on the change since the last average (see
+        # the class docstring): theta_last - 1 * mean_i(theta_last - theta_i).
+        return [OuterStep(comm, period=self.period, compression=self.compression,
+                          outer_optimizer=_average_as_outer_step)]
+
+
+def _average_as_outer_step(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0, momentum=0.0)
 
 
 # ---------------------------------------------------------------------- DiLoCo
