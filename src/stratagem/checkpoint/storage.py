@@ -235,17 +235,21 @@ def _candidates(path: Path) -> list[Path]:
 # and version directories opened with ``O_NOFOLLOW`` at their parent's fd and their owner and
 # mode checked on the open descriptor, every member opened at the version's fd. A swap of any
 # name after that (the link, the versions directory, a version) cannot redirect the restore.
+def _is_link_at(dfd: int, name: str) -> bool:
+    """Whether ``name`` at ``dfd`` is a symbolic link (why an ``O_NOFOLLOW`` open failed)."""
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def _open_dir_at(dfd: int, name: str, what: str) -> int:
     """A directory opened once at ``dfd`` (never through a link), its owner and mode checked
     on the descriptor."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
     except OSError as exc:
-        try:
-            link = stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
-        except OSError:
-            link = False
-        if link:
+        if _is_link_at(dfd, name):
             raise CheckpointError(f"{what} is a symbolic link, not a version directory "
                                   "stratagem wrote; refusing to follow it") from exc
         raise CheckpointError(f"{what} is not a readable checkpoint directory: {exc}") from exc
@@ -265,11 +269,7 @@ def _open_member(dfd: int, directory: Path, name: str) -> int:
     try:
         fd = os.open(name, _MEMBER_FLAGS, dir_fd=dfd)
     except OSError as exc:
-        try:
-            link = stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
-        except OSError:
-            link = False
-        if link:
+        if _is_link_at(dfd, name):
             raise CheckpointError(f"{what} is a symbolic link; a checkpoint's files "
                                   "are regular files inside its directory and links are never "
                                   f"followed. {CORRUPT_FIX}") from exc
