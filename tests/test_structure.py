@@ -194,7 +194,7 @@ def test_the_analysis_sees_the_package():
     assert {"stratagem", "stratagem.strategy", "stratagem.context", "stratagem.registry"} <= \
         set(MODULES)
     graph = _graph()
-    assert "stratagem.strategy" in graph["stratagem"]
+    assert "stratagem.registry" in graph["stratagem"]  # stratagem itself loads torch lazily
     assert "stratagem.comm" in graph["stratagem.strategy"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

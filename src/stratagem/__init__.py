@@ -3,18 +3,15 @@
 ``import stratagem as sg``; pick a strategy (``sg.Mirrored()``, ``sg.ParameterServer()``,
 ``sg.ElasticAveraging()``, ``sg.LocalSGD()``, ``sg.DiLoCo()``, ``sg.OneDevice()``), then
 ``scope`` / ``prepare`` / ``distribute_dataset`` / ``backward`` / ``optimizer.step()``.
-Importing has no side effects.
+Importing has no side effects, and does not import torch: every name that needs it is
+loaded on first use (so ``stratagem run`` can refuse a misspelt argument before torch's ~2 s
+import).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# Strategy.save / restore / fit / on_preemption are implemented by these modules, which
-# register themselves with stratagem.strategy when imported (see register_feature there).
-from . import checkpoint as _checkpoint  # noqa: F401
-from . import fit as _fit  # noqa: F401
-from .comm import Comm
 from .context import InputContext, ReplicaContext, get_replica_context, get_strategy, has_strategy
 from .errors import (
     CheckpointError,
@@ -24,12 +21,15 @@ from .errors import (
     StratagemError,
     WorkerError,
 )
-from .preemption import PREEMPTED_EXIT_CODE
 from .registry import from_env, from_name, strategy_names
 from .registry import lazy_exports as _lazy_exports
-from .strategies.mirrored import Mirrored
-from .strategies.one_device import OneDevice
-from .strategy import ReduceOp, Strategy
+
+if TYPE_CHECKING:  # loaded on first use (torch), see _LAZY
+    from .comm import Comm
+    from .preemption import PREEMPTED_EXIT_CODE
+    from .strategies.mirrored import Mirrored
+    from .strategies.one_device import OneDevice
+    from .strategy import ReduceOp, Strategy
 
 __version__ = "0.1.0"
 
@@ -69,7 +69,15 @@ _LAZY: dict[str, tuple[str, str]] = {
     "MinSizePartitioner": ("stratagem.ps.placement", "MinSizePartitioner"),
     "MaxSizePartitioner": ("stratagem.ps.placement", "MaxSizePartitioner"),
     "launch": ("stratagem.launcher", "launch"),
+    "Comm": ("stratagem.comm", "Comm"),
+    "Strategy": ("stratagem.strategy", "Strategy"),
+    "ReduceOp": ("stratagem.strategy", "ReduceOp"),
+    "PREEMPTED_EXIT_CODE": ("stratagem.preemption", "PREEMPTED_EXIT_CODE"),
 }
+# Submodules that ``import stratagem`` used to import eagerly: ``sg.checkpoint.read_extras``
+# keeps working without an explicit ``import stratagem.checkpoint``.
+_SUBMODULES = frozenset({"checkpoint", "fit", "comm", "strategy", "preemption", "strategies",
+                         "data", "parts", "precision"})
 __all__ += [name for name in _LAZY if name not in __all__]
 
 
@@ -81,6 +89,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), attr)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     from .registry import STRATEGIES
 
     for entry in STRATEGIES:

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._argnames import cli_line, one_line
 from .comm import Comm
 
 if TYPE_CHECKING:
@@ -48,12 +49,6 @@ class ConfigComm(Comm):
         super().__init__(None, 0, 1, heartbeat=False)
         self.world_size = world_size
         self.local_world_size = world_size if local_world_size is None else local_world_size
-
-
-def one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line (``Type: message``; whitespace runs collapsed)."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @contextlib.contextmanager
@@ -97,13 +92,13 @@ def check_strategy(name: str, kwargs: Mapping[str, Any], *, world_size: int,
 
 def cli_problem(name: str, kwargs: Mapping[str, Any], *, world_size: int,
                 local_world_size: int | None = None, num_ps: int = 0) -> str | None:
-    """:func:`check_strategy` for ``stratagem run``: None, or the one-line problem."""
+    """:func:`check_strategy` for ``stratagem run``: None, or the one-line problem. (The
+    names were checked before, without torch: :func:`stratagem.registry.cli_name_problem`.)"""
     try:
         check_strategy(name, kwargs, world_size=world_size, local_world_size=local_world_size,
                        num_ps=num_ps)
     except (TypeError, ValueError) as e:
-        where = "--strategy" if not kwargs else "--strategy/--strategy-arg"
-        return f"{where}: {one_line(e)}"
+        return cli_line(kwargs, e)
     return None
 
 

@@ -375,8 +375,6 @@ def network_env(args: argparse.Namespace, env: dict[str, str]) -> str | None:
 @subcommand("run", "run a training script on N workers (on top of torchrun)",
             configure=_configure_run, epilog=_RUN_EPILOG)
 def _run(args: argparse.Namespace) -> int:
-    from stratagem.launcher import child_pythonpath, start_ps_shards
-
     try:
         strategy_args = parse_strategy_args(args.strategy_arg)
     except ValueError as e:
@@ -388,6 +386,14 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.strategy:
+        from stratagem.registry import cli_name_problem
+
+        # Names first, read from the strategy's source: a misspelt argument fails before
+        # torch's import (most of this command's start-up).
+        problem = cli_name_problem(args.strategy, strategy_args)
+        if problem is not None:
+            print(f"stratagem run: error: {problem}", file=sys.stderr)
+            return 2
         from stratagem._argcheck import cli_problem
 
         # Built once here, as every worker will build it: fail now, not in each of them.
@@ -403,6 +409,8 @@ def _run(args: argparse.Namespace) -> int:
               "`stratagem ps --host H --port P` and export STRATAGEM_PS_ADDRS=host:port,...",
               file=sys.stderr)
         return 2
+    from stratagem.launcher import child_pythonpath, start_ps_shards
+
     env = dict(os.environ)
     env["PYTHONPATH"] = child_pythonpath(env)
     env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's oversubscription banner

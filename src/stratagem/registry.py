@@ -21,15 +21,22 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._argnames import check_names
-from .comm import Comm
+from ._argnames import (
+    Arguments,
+    check_argument_names,
+    check_names,
+    class_arguments,
+    cli_line,
+    source_arguments,
+)
 from .context import set_default_strategy_factory
 
 if TYPE_CHECKING:
     from .strategy import Strategy
 
 __all__ = ["StrategyEntry", "STRATEGIES", "from_name", "from_env", "strategy_names",
-           "canonical_name", "is_available", "lazy_exports", "strategy_class"]
+           "canonical_name", "is_available", "lazy_exports", "strategy_class",
+           "check_argument_names_early", "cli_name_problem"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,35 @@ def strategy_class(name: str) -> type[Strategy]:
     return getattr(importlib.import_module(entry.module), entry.cls)  # type: ignore[no-any-return]
 
 
+def _arguments_early(name: str) -> tuple[str, Arguments]:
+    entry = _BY_NAME[canonical_name(name)]
+    found = source_arguments(entry.module, entry.cls)
+    return entry.name, found if found is not None else class_arguments(strategy_class(name))
+
+
+def check_argument_names_early(name: str, kwargs: dict[str, Any]) -> None:
+    """What ``from_name(name, **kwargs)`` checks by name — the ``ValueError`` for an unknown
+    strategy, the one-line ``TypeError`` for an unknown argument — read from the strategy's
+    source where it can be, so without importing torch (``stratagem run`` calls it before
+    anything else: a misspelt ``--strategy-arg`` exits in well under a second after Python's
+    start-up). Values are not checked: building the strategy does that."""
+    entry = _BY_NAME[canonical_name(name)]
+    _, arguments = _arguments_early(entry.name)
+    check_argument_names(entry.name, arguments, {**entry.preset, **kwargs},
+                         resolve=_arguments_early)
+
+
+def cli_name_problem(name: str, kwargs: dict[str, Any]) -> str | None:
+    """``stratagem run``'s first check, before torch is imported: the strategy's name and
+    its arguments' names (:func:`check_argument_names_early`); None, or
+    the one-line problem."""
+    try:
+        check_argument_names_early(name, kwargs)
+    except (TypeError, ValueError) as e:
+        return cli_line(kwargs, e)
+    return None
+
+
 def from_name(name: str, **kwargs: Any) -> Strategy:
     """Build a strategy from its short name; ``kwargs`` override the preset arguments.
 
@@ -143,6 +179,8 @@ def from_env(default: str = "one_device", **kwargs: Any) -> Strategy:
 
 
 def _default_strategy() -> Strategy:
+    from .comm import Comm  # torch: imported on first use, not with stratagem
+
     # An explicit comm: the implicit default must not warn about a launcher's WORLD_SIZE.
     return from_name("one_device", comm=Comm.single())
 

@@ -50,8 +50,7 @@ StepEndHook = Callable[["StrategyOptimizer"], None]
 # on Strategy's public state protocol (stratagem.checkpoint, stratagem.fit,
 # stratagem.preemption). Those modules import Strategy, so Strategy cannot import them
 # without an import cycle. Instead each registers its entry point here when it is imported,
-# and stratagem/__init__.py imports all three, so the methods work whenever stratagem is
-# imported (which ``import stratagem.<anything>`` does first).
+# and _feature imports the module on the first call that needs it.
 _FEATURES: dict[str, Callable[..., Any]] = {}
 _FEATURE_MODULES = {"save": "stratagem.checkpoint", "restore": "stratagem.checkpoint",
                     "fit": "stratagem.fit", "on_preemption": "stratagem.preemption"}
@@ -67,12 +66,18 @@ def register_feature(name: str, implementation: Callable[..., Any]) -> None:
 
 
 def _feature(name: str) -> Callable[..., Any]:
+    if name not in _FEATURES:
+        # ``import stratagem`` no longer imports torch, nor these modules: the first call
+        # imports the one that implements ``name`` (it registers itself).
+        import importlib
+
+        importlib.import_module(_FEATURE_MODULES[name])
     try:
         return _FEATURES[name]
     except KeyError:
         raise RuntimeError(f"Strategy.{name} is implemented by {_FEATURE_MODULES[name]}, which "
-                           f"was not imported. Fix: import stratagem (it imports "
-                           f"{_FEATURE_MODULES[name]})") from None
+                           "did not register it. Fix: call stratagem.strategy.register_feature("
+                           f"{name!r}, implementation)") from None
 
 
 class ReduceOp(str, Enum):
