@@ -308,8 +308,18 @@ def test_wrap_torchrun_argv():
 
 @pytest.mark.timeout(150)
 def test_run_prints_a_shared_exception_once(tmp_path):
+    # Both workers meet (a file each, at most 60 s) before they raise: torchrun stops the
+    # others as soon as it sees one failure, so a rank that started later would be killed
+    # before reaching its own raise, and the job would not be "all workers failed".
     script = tmp_path / "fail.py"
-    script.write_text("def load():\n    raise RuntimeError('no data here')\nload()\n")
+    script.write_text(
+        "import os, pathlib, time\n"
+        "here = pathlib.Path(__file__).parent\n"
+        "(here / f\"up.{os.environ['RANK']}\").touch()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while len(list(here.glob('up.*'))) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "def load():\n    raise RuntimeError('no data here')\nload()\n")
     r, _ = _stratagem("run", "--nproc", "2", str(script), cwd=tmp_path)
     assert r.returncode == 1
     err = r.stderr
