@@ -41,11 +41,8 @@ import os
 import platform
 import re
 import resource
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -55,6 +52,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from _common import (  # noqa: E402 - the shared job runner and results plumbing
+    run_job,
+    run_matrix,
+    shaped_links_usable,
+    write_outputs,
+)
 
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous)
 STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
@@ -317,25 +321,6 @@ def evaluator_main(cfg_path: str) -> int:
 # =========================================================================== parent side
 
 
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
-def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            _kill_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill_group(p, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=grace)
-
-
 def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace,
              tmp: Path, *, spec: tuple[str, dict[str, Any], bool, bool] | None = None,
              nnodes: int | None = None) -> dict[str, Any]:
@@ -345,97 +330,23 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     ``benchmarks/hierarchical.py``): K nodes of W/K workers, the workers of a node sharing
     its namespace, with torchrun's per-node environment; by default every worker has a
     namespace of its own and the job is one node."""
-    from torch.distributed import TCPStore
-
-    from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
-
     name, strategy_args, needs_ps, sync = STRATEGIES[key] if spec is None else spec
     # A variant's "_env" sets environment variables of its processes (shard, workers).
     strategy_args = dict(strategy_args)
     job_env = {str(k): str(v) for k, v in strategy_args.pop("_env", {}).items()}
-    W = args.workers
-    per_node = W // (nnodes or 1)
-    host = "127.0.0.1" if topo is None else topo.host_ip
     run_dir = tmp / f"{key}-{link}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
            "hidden": 256, "lr": 2e-3, "global_batch_size": 128, "eval_every": args.eval_every,
            "target": args.target, "max_epochs": args.max_epochs, "timeout": args.timeout,
            "early_stop": not args.no_early_stop, "result_dir": str(run_dir)}
-    cfg_path = run_dir / "cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
-    store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=args.timeout))
-    shards = None
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-    t0 = time.perf_counter()
-    error = None
-    try:
-        if needs_ps:
-            shards = start_ps_shards(1, host=host, env={**os.environ, **job_env})
-        script = [sys.executable, str(Path(__file__).resolve())]
-        # Async strategies get an evaluator (rank W here) on the bridge, next to the shard.
-        for r in range(W if sync else W + 1):
-            env = dict(os.environ)
-            env.update(worker_env(rank=r, world_size=W, master_port=store.port,
-                                  master_addr=host, nnodes=nnodes or 1,
-                                  ps_addrs=shards.addresses if shards else (), base={}))
-            if shards is not None:
-                env.update(shards.env())  # the job's shard token file
-            env["OMP_NUM_THREADS"] = "1"
-            env.update(job_env)
-            env["PYTHONPATH"] = child_pythonpath(env)
-            if r < W:
-                ns = r if nnodes is None else r // per_node
-                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(ns)
-                argv = [*([] if topo is None else topo.exec_prefix(ns)), *script, "--worker"]
-            else:
-                argv = [*script, "--evaluator"]
-            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + args.run_timeout
-        while any(p.poll() is None for p in procs):
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                error = f"timed out after {args.run_timeout:g} s"
-                break
-            time.sleep(0.1)
-        if error is None:
-            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-    finally:
-        _stop_all(procs)
-        for log in logs:
-            log.close()
-        if shards is not None:
-            shards.stop()
-        del store
-    job_seconds = time.perf_counter() - t0
-    ranks = []
-    for r in range(W):
-        f = run_dir / f"rank{r}.json"
-        if f.exists():
-            ranks.append(json.loads(f.read_text()))
-    out: dict[str, Any] = {"strategy": key, "link": link, "seed": seed,
-                           "strategy_args": strategy_args, "job_seconds": job_seconds,
-                           "error": error}
-    evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
-    if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
-        logs_text = [(run_dir / f"rank{r}.log").read_text(errors="replace")
-                     for r in range(len(procs))]
-        out["error"] = error or "no result from worker 0 or the evaluator"
-        out["log_tail"] = logs_text[0][-3000:] + "".join(
-            f"\n--- rank {r}\n{t[-1500:]}" for r, t in enumerate(logs_text)
-            if r and ("Error" in t or "Traceback" in t))
+    out, chief, ranks = run_job(
+        str(Path(__file__).resolve()), run_dir, cfg,
+        {"strategy": key, "link": link, "seed": seed, "strategy_args": strategy_args},
+        workers=args.workers, sync=sync, needs_ps=needs_ps, topo=topo, timeout=args.timeout,
+        run_timeout=args.run_timeout, nnodes=nnodes, job_env=job_env)
+    if chief is None:
         return out
-    chief = {**ranks[0], **json.loads(evaluator.read_text())}
     out.update({k: chief[k] for k in ("curve", "final_accuracy", "reached", "steps",
                                        "wall_seconds", "bytes_per_step",
                                        "bytes_sent_per_step", "comm_seconds",
@@ -696,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         return rewrite_from_json(args.from_json, Path(args.out))
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
-    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
+    from stratagem.testing.netns import Topology
 
     if not add_variants(STRATEGIES, args.variant):
         return 2
@@ -726,16 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         missing["ps-async"] = f"{PS_MODULE} is not importable (not written yet)"
         notes.append(f"ps-async: n/a, {missing['ps-async']}.")
         print(f"ps-async: {missing['ps-async']}; its rows are n/a", flush=True)
-    shaped = [link for link in links if link != "lo"]
-    if shaped:
-        try:
-            if os.geteuid() != 0:
-                raise NetnsUnavailable("shaped links need root (ip netns, tc)")
-            check_netns()
-        except NetnsUnavailable as e:
-            print(f"cannot build shaped links ({e}); running loopback only", flush=True)
-            notes.append(f"shaped links {shaped} skipped: {e}")
-            links = [link for link in links if link == "lo"]
+    if not shaped_links_usable(links, notes):
+        links = [link for link in links if link == "lo"]
     runnable = [s for s in strategies if s not in missing]
     meta: dict[str, Any] = {
         "command": "python benchmarks/convergence.py " + " ".join(argv or sys.argv[1:]),
@@ -747,35 +650,18 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "python": platform.python_version(), "num_parameters": 269_322,
     }
-    runs: list[dict[str, Any]] = []
     topo = Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet) if any(link != "lo" for link in links) else None
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # SIGTERM -> KeyboardInterrupt, so the finally below removes the namespaces either way.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with tempfile.TemporaryDirectory(prefix="sg-convergence-") as tmpdir:
-            if topo is not None:
-                topo.up()
-            for link in links:
-                if link != "lo":
-                    assert topo is not None
-                    topo.shape(link)
-                for seed in range(per_link[link]):
-                    # Rotate the order per seed so no strategy always runs first/last.
-                    order = runnable[seed % len(runnable):] + runnable[:seed % len(runnable)]
-                    for key in order:
-                        r = run_once(key, link, seed, None if link == "lo" else topo, args,
-                                     Path(tmpdir))
-                        runs.append(r)
-                        _print_run(r)
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
-        notes.append("interrupted: partial results")
-    finally:
-        if topo is not None:
-            topo.down()
+
+    def one(key: str, link: str, seed: int, topo: Any, tmp: Path) -> dict[str, Any]:
+        r = run_once(key, link, seed, topo, args, tmp)
+        _print_run(r)
+        return r
+
+    runs = run_matrix(links, per_link.__getitem__, runnable, topo, notes, one,
+                      tmp_prefix="sg-convergence-")
     meta["total_minutes"] = (time.perf_counter() - t_start) / 60
     params = [r["num_parameters"] for r in runs if r.get("num_parameters")]
     if params:
@@ -785,17 +671,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("error") is None for r in runs) else 1
 
 
-def _clean(value: Any) -> Any:
-    """inf/nan -> None, so the JSON is standard."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
-
-
 def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: list[str],
                   out: Path) -> None:
     """Summarise ``runs`` and write ``out`` .md, .json and .png."""
@@ -803,16 +678,10 @@ def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: 
     rows = summarize(runs, strategies, links, meta["seeds"], missing)
     meta["notes"] = list(meta.get("base_notes", [])) + _auto_notes(rows, runs,
                                                                    _registry_names(meta))
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
     ran = [k for k in strategies if k not in missing]
-    if runs:
-        plot(runs, links, ran, meta["target"], out.with_suffix(".png"))
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')}, .json, .png")
+    write_outputs(out, markdown(rows, meta), meta, rows, runs, wrote=", .json, .png",
+                  plot=(lambda: plot(runs, links, ran, meta["target"], out.with_suffix(".png")))
+                  if runs else None)
 
 
 def rewrite_from_json(path: str, out: Path) -> int:
@@ -821,10 +690,6 @@ def rewrite_from_json(path: str, out: Path) -> int:
     meta, runs = data["meta"], data["runs"]
     write_results(meta, runs, list(meta["strategies"]), out)
     return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _print_run(r: dict[str, Any]) -> None:

@@ -35,7 +35,6 @@ otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -53,6 +52,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
 
 import convergence as harness  # noqa: E402 - after the path set-up above
+from _common import _interrupt, write_outputs  # noqa: E402
 
 NNODES = 2
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous): the same
@@ -210,13 +210,7 @@ def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: 
                   out: Path) -> None:
     rows = summarize(runs, strategies, meta["links"], meta["missing"])
     meta["notes"] = list(meta.get("base_notes", [])) + _verdicts(rows)
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        harness._clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')} and .json")
+    write_outputs(out, markdown(rows, meta), meta, rows, runs, wrote=" and .json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -272,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, harness._interrupt)  # -> KeyboardInterrupt: clean up below
+    signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: clean up below
     try:
         with tempfile.TemporaryDirectory(prefix="sg-hierarchical-") as tmpdir:
             topo.up()

@@ -37,10 +37,7 @@ import math
 import os
 import platform
 import resource
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -50,14 +47,17 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from convergence import (  # noqa: E402 - the shared process and store plumbing
+from _common import (  # noqa: E402 - the shared job runner and results plumbing
+    run_job,
+    run_matrix,
+    shaped_links_usable,
+    write_outputs,
+)
+from convergence import (  # noqa: E402 - the shared worker-side plumbing and options
     _TAG,
-    _clean,
     _fmt,
-    _interrupt,
     _median,
     _Progress,
-    _stop_all,
     _store,
     add_run_arguments,
     add_variants,
@@ -292,13 +292,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
              tmp: Path) -> dict[str, Any]:
     """One job: ``args.workers`` worker processes (in namespaces on a shaped link), plus a
     PS shard and an evaluator when the strategy needs them."""
-    from torch.distributed import TCPStore
-
-    from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
-
     name, strategy_args, needs_ps, sync = STRATEGIES[key]
-    W = args.workers
-    host = "127.0.0.1" if topo is None else topo.host_ip
     run_dir = tmp / f"{key}-{link}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
@@ -307,74 +301,13 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
            "stop_at_target": getattr(args, "stop_at_target", True),
            "timeout": args.timeout, "result_dir": str(run_dir), "model": MODEL, "lr": LR,
            "global_batch": GLOBAL_BATCH}
-    cfg_path = run_dir / "cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
-    store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=args.timeout))
-    shards = None
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-    t0 = time.perf_counter()
-    error = None
-    try:
-        if needs_ps:
-            shards = start_ps_shards(1, host=host)
-        script = [sys.executable, str(Path(__file__).resolve())]
-        for r in range(W if sync else W + 1):
-            env = dict(os.environ)
-            env.update(worker_env(rank=r, world_size=W, master_port=store.port,
-                                  master_addr=host,
-                                  ps_addrs=shards.addresses if shards else (), base={}))
-            if shards is not None:
-                env.update(shards.env())  # the job's shard token file
-            env["OMP_NUM_THREADS"] = "1"
-            env["PYTHONPATH"] = child_pythonpath(env)
-            if r < W:
-                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(r)
-                argv = [*([] if topo is None else topo.exec_prefix(r)), *script, "--worker"]
-            else:
-                argv = [*script, "--evaluator"]
-            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + args.run_timeout
-        while any(p.poll() is None for p in procs):
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                error = f"timed out after {args.run_timeout:g} s"
-                break
-            time.sleep(0.1)
-        if error is None:
-            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-    finally:
-        _stop_all(procs)
-        for log in logs:
-            log.close()
-        if shards is not None:
-            shards.stop()
-        del store
-    job_seconds = time.perf_counter() - t0
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(W)
-             if (run_dir / f"rank{r}.json").exists()]
-    out: dict[str, Any] = {"strategy": key, "link": link, "seed": seed,
-                           "strategy_args": strategy_args, "job_seconds": job_seconds,
-                           "error": error}
-    evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
-    if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
-        texts = [(run_dir / f"rank{r}.log").read_text(errors="replace")
-                 for r in range(len(procs))]
-        out["error"] = error or "no result from worker 0 or the evaluator"
-        out["log_tail"] = texts[0][-3000:] + "".join(
-            f"\n--- rank {r}\n{t[-1500:]}" for r, t in enumerate(texts)
-            if r and ("Error" in t or "Traceback" in t))
+    out, chief, ranks = run_job(
+        str(Path(__file__).resolve()), run_dir, cfg,
+        {"strategy": key, "link": link, "seed": seed, "strategy_args": strategy_args},
+        workers=args.workers, sync=sync, needs_ps=needs_ps, topo=topo, timeout=args.timeout,
+        run_timeout=args.run_timeout)
+    if chief is None:
         return out
-    chief = {**ranks[0], **json.loads(evaluator.read_text())}
     out.update({k: chief[k] for k in ("curve", "final_val_loss", "reached", "steps",
                                        "wall_seconds", "bytes_per_step",
                                        "bytes_sent_per_step", "comm_seconds",
@@ -525,15 +458,9 @@ def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: 
                   out: Path) -> None:
     rows = summarize(runs, strategies, meta["links"])
     meta["notes"] = list(meta.get("base_notes", [])) + _auto_notes(rows)
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
-    if runs:
-        plot(runs, meta["links"], strategies, meta["target"], out.with_suffix(".png"))
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')}, .json, .png")
+    write_outputs(out, markdown(rows, meta), meta, rows, runs, wrote=", .json, .png",
+                  plot=(lambda: plot(runs, meta["links"], strategies, meta["target"],
+                                     out.with_suffix(".png"))) if runs else None)
 
 
 # =========================================================================== main
@@ -590,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
-    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
+    from stratagem.testing.netns import Topology
 
     if not add_variants(STRATEGIES, args.variant):
         return 2
@@ -616,16 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     load_corpus()  # fail here with the explanation, not in every worker
     notes: list[str] = []
     shaped = [link for link in links if link != "lo"]
-    if shaped:
-        try:
-            if os.geteuid() != 0:
-                raise NetnsUnavailable("shaped links need root (ip netns, tc)")
-            check_netns()
-        except NetnsUnavailable as e:
-            print(f"cannot build shaped links ({e}); running loopback only", flush=True)
-            notes.append(f"shaped links {shaped} skipped: {e}")
-            links = [link for link in links if link == "lo"]
-            per_link = {k: v for k, v in per_link.items() if k == "lo"}
+    if not shaped_links_usable(links, notes):
+        links = [link for link in links if link == "lo"]
+        per_link = {k: v for k, v in per_link.items() if k == "lo"}
     meta: dict[str, Any] = {
         "command": "python benchmarks/lm.py " + " ".join(argv or sys.argv[1:]),
         "workers": args.workers, "target": args.target, "eval_every": args.eval_every,
@@ -636,33 +556,18 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "model": MODEL,
         "num_parameters": GPT(GPTConfig(**MODEL)).num_parameters(), "base_notes": notes,
     }
-    runs: list[dict[str, Any]] = []
     topo = Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet) if shaped and any(link != "lo" for link in links) else None
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: namespaces removed
-    try:
-        with tempfile.TemporaryDirectory(prefix="sg-lm-") as tmpdir:
-            if topo is not None:
-                topo.up()
-            for link in links:
-                if link != "lo":
-                    assert topo is not None
-                    topo.shape(link)
-                for seed in range(per_link[link]):
-                    order = strategies[seed % len(strategies):] + strategies[:seed % len(strategies)]
-                    for key in order:
-                        r = run_once(key, link, seed, None if link == "lo" else topo, args,
-                                     Path(tmpdir))
-                        runs.append(r)
-                        _print_run(r, args.target)
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
-        notes.append("interrupted: partial results")
-    finally:
-        if topo is not None:
-            topo.down()
+
+    def one(key: str, link: str, seed: int, topo: Any, tmp: Path) -> dict[str, Any]:
+        r = run_once(key, link, seed, topo, args, tmp)
+        _print_run(r, args.target)
+        return r
+
+    runs = run_matrix(links, per_link.__getitem__, strategies, topo, notes, one,
+                      tmp_prefix="sg-lm-")
     meta["total_minutes"] = (time.perf_counter() - t_start) / 60
     write_results(meta, runs, strategies, out)
     return 0 if all(r.get("error") is None for r in runs) else 1
