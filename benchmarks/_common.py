@@ -15,6 +15,7 @@ Every script puts this folder first on ``sys.path`` (it is the script's own fold
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -23,14 +24,149 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+
+
+# =========================================================================== worker side
+
+_TAG = "bench/"
+
+
+def _store(timeout: float) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                    int(os.environ.get("WORLD_SIZE", "1")), is_master=False,
+                    timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+class _Progress(threading.Thread):
+    """Async workers: publish this worker's step count and watch for the stop key from a
+    thread with its own store client, so the training loop never waits on the store (which
+    shares the shaped link)."""
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.rank, self.timeout = rank, timeout
+        self.step = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        store = _store(self.timeout)
+        last = -1
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                if self.step != last:
+                    last = self.step
+                    store.set(f"{_TAG}step/{self.rank}", str(last))
+                if store.check([f"{_TAG}stop"]):
+                    self.stop.set()
+            time.sleep(0.02)
+
+
+def start_together(ctrl: Any, rank: int, world: int, sync: bool, timeout: float
+                   ) -> _Progress | None:
+    """Everybody starts the clock together (after start-up, prepare and PS registration):
+    mark this worker ready and wait for the others (and the evaluator when not ``sync``).
+    Returns the started :class:`_Progress` thread of an asynchronous worker, else None."""
+    progress = None
+    parties = world
+    if not sync:
+        progress = _Progress(rank, timeout)
+        ctrl.set(f"{_TAG}step/{rank}", "0")
+        progress.start()
+        parties += 1  # the evaluator
+    ctrl.set(f"{_TAG}ready/{rank}", "1")
+    ctrl.wait([f"{_TAG}ready/{r}" for r in range(parties)], timedelta(seconds=timeout))
+    return progress
+
+
+def traffic(metrics: dict[str, Any], wall: float) -> dict[str, Any]:
+    """A worker result's steps, training seconds and bytes per step from ``metrics``."""
+    steps = max(1, int(metrics["steps"]))
+    return {
+        "steps": int(metrics["steps"]), "wall_seconds": wall,
+        "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
+        "bytes_sent_per_step": metrics["bytes_sent"] / steps,
+        "comm_seconds": metrics["comm_seconds"],
+    }
+
+
+def finish_worker(cfg: dict[str, Any], ctrl: Any, strategy: Any, result: dict[str, Any], *,
+                  rank: int, world: int, step: int, progress: _Progress | None,
+                  timeout: float) -> None:
+    """Write ``rank{rank}.json``, tell the others (or the evaluator) this worker is done and
+    wait for them, close the strategy and exit the process."""
+    Path(cfg["result_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+    if progress is not None:
+        progress.stop.set()
+        ctrl.set(f"{_TAG}step/{rank}", str(step))
+        ctrl.set(f"{_TAG}finished/{rank}", "1")
+    else:
+        # Nobody closes its sockets while a peer may still be reading the last collective.
+        ctrl.set(f"{_TAG}done/{rank}", "1")
+        ctrl.wait([f"{_TAG}done/{r}" for r in range(world)], timedelta(seconds=timeout))
+    strategy.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (gloo/gRPC destructors) once the result is out
+
+
+def run_evaluator(cfg: dict[str, Any], build: Callable[[], tuple[Any, Any, Any]],
+                  score: Callable[[Any, Any], float], hit: Callable[[float], bool],
+                  stop: Callable[[dict[str, Any] | None, float], bool], *,
+                  metric: str) -> None:
+    """The evaluator process of an asynchronous job: once every worker is ready, ``build()``
+    a strategy instance that never steps, then each time the workers' mean step count
+    crosses a multiple of ``eval_every`` record ``score(strategy, model)``; the first score
+    for which ``hit`` is true is ``reached``; ``stop(reached, wall)`` sets the stop key. Writes
+    ``evaluator.json`` (``curve``, ``final_<metric>``, ``reached``) and exits."""
+    world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
+    every = int(cfg["eval_every"])
+    store = _store(timeout)
+    store.wait([f"{_TAG}ready/{r}" for r in range(world)], timedelta(seconds=timeout))
+    # Registered after every worker: it only reads the center / global parameters.
+    strategy, model, _ = build()
+    store.set(f"{_TAG}ready/{world}", "1")
+    store.wait([f"{_TAG}ready/{r}" for r in range(world + 1)], timedelta(seconds=timeout))
+    start = time.perf_counter()
+    step_keys = [f"{_TAG}step/{r}" for r in range(world)]
+    finished = [f"{_TAG}finished/{r}" for r in range(world)]
+    curve: list[tuple[float, float, float]] = []
+    reached = None
+    next_at = 0.0
+    while True:
+        done = store.check(finished)
+        mean = sum(int(v) for v in store.multi_get(step_keys)) / world
+        if mean >= next_at or done:
+            wall = time.perf_counter() - start
+            value = score(strategy, model)
+            curve.append((wall, mean, value))
+            next_at = (math.floor(mean / every) + 1) * every
+            if reached is None and hit(value):
+                reached = {"wall": wall, "step": mean, metric: value}
+            if stop(reached, wall):
+                store.set(f"{_TAG}stop", "1")
+                break
+        if done:
+            break
+        time.sleep(0.01)
+    Path(cfg["result_dir"], "evaluator.json").write_text(json.dumps(
+        {"curve": curve, f"final_{metric}": curve[-1][2], "reached": reached}))
+    strategy.close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# =========================================================================== parent side
 
 
 def _clean(value: Any) -> Any:
@@ -182,12 +318,14 @@ def shaped_links_usable(links: list[str], notes: list[str]) -> bool:
 
 def run_matrix(links: list[str], seeds: Callable[[str], int], keys: list[str], topo: Any,
                notes: list[str], run: Callable[[str, str, int, Any, Path], dict[str, Any]],
-               *, tmp_prefix: str) -> list[dict[str, Any]]:
+               *, meta: dict[str, Any], tmp_prefix: str) -> list[dict[str, Any]]:
     """``run(key, link, seed, topo or None on lo, tmp)`` for every link, ``seeds(link)`` seeds
     and key, the keys' order rotated per seed so that no key always runs first (load drifts).
 
     ``topo`` (when not None) is brought up first, shaped per link and always taken down;
-    SIGTERM and Ctrl-C stop the loop and keep the runs so far (a note says so)."""
+    SIGTERM and Ctrl-C stop the loop and keep the runs so far (a note says so). Sets
+    ``meta["total_minutes"]``."""
+    t_start = time.perf_counter()
     runs: list[dict[str, Any]] = []
     signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: namespaces removed
     try:
@@ -209,6 +347,7 @@ def run_matrix(links: list[str], seeds: Callable[[str], int], keys: list[str], t
     finally:
         if topo is not None:
             topo.down()
+    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
     return runs
 
 
@@ -236,3 +375,149 @@ def write_report(name: str, meta: dict[str, Any], rows: list[dict[str, Any]],
                                                      indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def split_list(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]`` (a comma-list flag)."""
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def choose(text: str, table: Mapping[str, Any], what: str = "strategies") -> list[str] | None:
+    """The keys of the comma list ``text``, or None (after saying which on stderr) when one
+    is not in ``table``."""
+    keys = split_list(text)
+    unknown = [s for s in keys if s not in table]
+    if unknown:
+        print(f"unknown {what} {unknown}; choose from {list(table)}", file=sys.stderr)
+        return None
+    return keys
+
+
+def seeds_per_link(spec: str, links: list[str]) -> dict[str, int] | None:
+    """``--seeds``: ``N`` for every link, or ``LINK=N,LINK=N`` covering every link; None
+    (after saying why on stderr) when it is neither."""
+    try:
+        if "=" in spec:
+            per_link = {k.strip(): int(v) for k, v in
+                        (item.split("=", 1) for item in spec.split(","))}
+            missing_links = [link for link in links if link not in per_link]
+            if missing_links:
+                raise ValueError(f"no seed count for {missing_links}")
+        else:
+            per_link = dict.fromkeys(links, int(spec))
+    except ValueError as e:
+        print(f"--seeds must be N or LINK=N,LINK=N covering every link, got {spec!r} "
+              f"({e})", file=sys.stderr)
+        return None
+    return per_link
+
+
+def matrix_parser(doc: str | None, *, table: Mapping[str, Any], quick: list[str],
+                  quick_links: str) -> argparse.ArgumentParser:
+    """The options that ``convergence.py`` and ``lm.py`` share before their own: seeds,
+    links, strategies (the keys of ``table``), ``--quick`` and the worker count."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="3",
+                   help="number of seeds (0..N-1), or per link: lo=3,100mbit=3,20mbit=1")
+    p.add_argument("--links", default="lo,100mbit,20mbit",
+                   help="comma list: lo and/or tc rates such as 100mbit,20mbit")
+    p.add_argument("--strategies", default=",".join(table),
+                   help=f"comma list from {', '.join(table)}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: 1 seed, {quick_links.replace(',', ' + ')}, "
+                        f"{', '.join(quick)}")
+    p.add_argument("--workers", type=int, default=4)
+    return p
+
+
+def parse_matrix_args(p: argparse.ArgumentParser, argv: list[str] | None, *, out: Path,
+                      quick: list[str], quick_links: str) -> argparse.Namespace:
+    """Add the output and the (hidden) child-process options to ``p`` and parse ``argv``;
+    ``--quick`` means 1 seed, ``quick_links`` and the ``quick`` strategies unless those
+    were given."""
+    p.add_argument("--out", default=str(out),
+                   help="output path without extension (.json, .md, .png are written)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="only re-render the table and plot from an earlier run's JSON")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--evaluator", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = "1"
+        if args.links == p.get_default("links"):
+            args.links = quick_links
+        if args.strategies == p.get_default("strategies"):
+            args.strategies = ",".join(quick)
+    return args
+
+
+def figure(panels: int) -> tuple[Any, Any, list[str]]:
+    """A matplotlib (Agg) figure of ``panels`` plots side by side: the figure, its axes and
+    the colour cycle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5.0), squeeze=False)
+    return fig, axes[0], plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
+def draw_seeds(ax: Any, runs: list[dict[str, Any]], link: str, strategies: list[str],
+               colors: list[str], target: float) -> list[tuple[float, float]]:
+    """One line per successful run on ``link`` (a colour per strategy, one legend entry per
+    strategy) of its ``curve`` against training wall time on a log axis, from t > 0, and a
+    dashed line at ``target``. Returns every (wall, value) point drawn."""
+    drawn: list[tuple[float, float]] = []
+    for i, key in enumerate(strategies):
+        labelled = False
+        for r in runs:
+            if r["strategy"] != key or r["link"] != link or r.get("error") is not None:
+                continue
+            points = [(w, v) for w, _, v in r["curve"] if w > 0]
+            if not points:
+                continue
+            drawn += points
+            wall, value = zip(*points, strict=True)
+            ax.plot(wall, value, color=colors[i % len(colors)], lw=1.1, alpha=0.8,
+                    label=None if labelled else key)
+            labelled = True
+    ax.axhline(target, color="k", ls="--", lw=0.8)
+    ax.set_title(f"link: {link}")
+    ax.set_xscale("log")
+    return drawn
+
+
+def save_figure(fig: Any, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rewrite_from_json(path: str, out: Path,
+                      write_results: Callable[[dict[str, Any], list[dict[str, Any]],
+                                               list[str], Path], None]) -> int:
+    """``--from-json PATH``: re-render the table (and plot) of an earlier run, no training."""
+    data = json.loads(Path(path).read_text())
+    meta, runs = data["meta"], data["runs"]
+    write_results(meta, runs, list(meta["strategies"]), out)
+    return 0
+
+
+def dispatch(args: argparse.Namespace, *, worker: Callable[[str], int],
+             evaluator: Callable[[str], int],
+             write_results: Callable[[dict[str, Any], list[dict[str, Any]], list[str], Path],
+                                     None]) -> int | None:
+    """Run what ``--worker CFG``, ``--evaluator CFG`` or ``--from-json PATH`` asks for and
+    return its exit code; None when none was given (the parent of a benchmark run)."""
+    if args.worker:
+        return worker(args.worker)
+    if args.evaluator:
+        return evaluator(args.evaluator)
+    if args.from_json:
+        return rewrite_from_json(args.from_json, Path(args.out), write_results)
+    return None

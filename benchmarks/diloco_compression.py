@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +51,14 @@ RESULTS = HERE / "results"
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import lm  # noqa: E402 - the worker, the job runner and the model of benchmarks/lm.py
-from _common import run_matrix, shaped_links_usable, write_outputs  # noqa: E402
+from _common import (  # noqa: E402
+    choose,
+    rewrite_from_json,
+    run_matrix,
+    shaped_links_usable,
+    split_list,
+    write_outputs,
+)
 from convergence import _fmt, _median  # noqa: E402
 
 _DILOCO = {"period": 32, "outer_lr": 1.0, "outer_momentum": 0.3}
@@ -271,22 +276,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        write_results(data["meta"], data["runs"], list(data["meta"]["strategies"]),
-                      Path(args.out))
-        return 0
+        return rewrite_from_json(args.from_json, Path(args.out), write_results)
     sys.path.insert(0, str(REPO / "src"))
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
     from stratagem.testing.netns import Topology
 
     lm.STRATEGIES.clear()
     lm.STRATEGIES.update(STRATEGIES)  # lm.run_once reads its table
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        print(f"unknown rows {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
+    strategies = choose(args.strategies, STRATEGIES, "rows")
+    if strategies is None:
         return 2
-    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    links = split_list(args.links)
     load_corpus()
     notes: list[str] = []
     if not shaped_links_usable(links, notes):
@@ -304,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     topo = (Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet)
             if any(link != "lo" for link in links) else None)
-    t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -317,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return r
 
     runs = run_matrix(links, lambda link: args.seeds, strategies, topo, notes, one,
-                      tmp_prefix="sg-dc-")
-    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
+                      meta=meta, tmp_prefix="sg-dc-")
     write_results(meta, runs, strategies, out)
     return 0 if all(r.get("error") is None for r in runs) else 1
 

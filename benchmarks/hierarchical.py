@@ -52,7 +52,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
 
 import convergence as harness  # noqa: E402 - after the path set-up above
-from _common import _interrupt, write_outputs  # noqa: E402
+from _common import _interrupt, choose, split_list, write_outputs  # noqa: E402
 
 NNODES = 2
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous): the same
@@ -235,17 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from stratagem.testing.netns import Topology, netns_unavailable_reason
 
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        print(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
+    strategies = choose(args.strategies, STRATEGIES)
+    if strategies is None:
         return 2
     reason = netns_unavailable_reason()
     if reason is not None:
         print(f"this benchmark needs 2 network namespaces with shaped links: {reason}",
               file=sys.stderr)
         return 2
-    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    links = split_list(args.links)
     missing = {k: f"`{STRATEGIES[k][0]}` is not in the registry yet (sg.strategy_names())"
                for k in strategies if not _available(STRATEGIES[k][0])}
     notes = [f"{k}: not run, {why}." for k, why in missing.items()]
