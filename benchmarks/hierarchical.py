@@ -9,8 +9,8 @@ holding both of its workers (intra-node traffic stays on the namespace's own loo
 fast), and each node's veth to the bridge is capped both ways with ``tc tbf`` at the link rate
 (inter-node traffic crosses two capped veths). The workers get torchrun's per-node environment
 (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE=2``, ``GROUP_RANK``), which is what node groups are built
-from. The worker code, the job runner and the formatting helpers are ``convergence.py``'s
-(imported, not copied); this file adds the 2-node layout, the strategy table and the byte
+from. The worker code and the formatting helpers are ``convergence.py``'s, the job runner
+``_common.py``'s (imported, not copied); this file adds the 2-node layout, the strategy table and the byte
 counting.
 
 Strategies: flat Mirrored (DDP all-reduce every step over all 4 workers), flat DiLoCo (the

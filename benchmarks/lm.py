@@ -47,7 +47,7 @@ RESULTS = HERE / "results"
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import _common as common  # noqa: E402 - the shared job runner and results plumbing
-from convergence import (  # noqa: E402 - the shared worker-side plumbing and options
+from convergence import (  # noqa: E402 - formatting, --variant and option parsing
     _fmt,
     _median,
     add_run_arguments,
