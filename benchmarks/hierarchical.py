@@ -10,8 +10,8 @@ fast), and each node's veth to the bridge is capped both ways with ``tc tbf`` at
 (inter-node traffic crosses two capped veths). The workers get torchrun's per-node environment
 (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE=2``, ``GROUP_RANK``), which is what node groups are built
 from. The worker code and the formatting helpers are ``convergence.py``'s, the job runner
-``_common.py``'s (imported, not copied); this file adds the 2-node layout, the strategy table and the byte
-counting.
+``_common.py``'s (imported, not copied); this file adds the 2-node layout, the strategy
+table and the byte counting.
 
 Strategies: flat Mirrored (DDP all-reduce every step over all 4 workers), flat DiLoCo (the
 convergence benchmark's settings: period 16, outer Nesterov lr 0.7, momentum 0.9) and
