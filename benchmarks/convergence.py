@@ -33,7 +33,6 @@ training in <= 1.0x (issue 11).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import math
@@ -41,20 +40,37 @@ import os
 import platform
 import re
 import resource
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from _common import (  # noqa: E402 - the shared job runner and results plumbing
+    _TAG,
+    _store,
+    choose,
+    dispatch,
+    draw_seeds,
+    figure,
+    finish_worker,
+    matrix_parser,
+    parse_matrix_args,
+    run_evaluator,
+    run_job,
+    run_matrix,
+    save_figure,
+    seeds_per_link,
+    shaped_links_usable,
+    split_list,
+    start_together,
+    traffic,
+    write_outputs,
+)
 
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous)
 STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
@@ -79,9 +95,6 @@ PS_MODULE = "stratagem.strategies.parameter_server"
 
 # =========================================================================== worker side
 
-_TAG = "bench/"
-
-
 def _accuracy(model: Any, X: Any, y: Any) -> float:
     import torch
 
@@ -91,14 +104,6 @@ def _accuracy(model: Any, X: Any, y: Any) -> float:
         acc = float((model(X).argmax(dim=1) == y).float().mean())
     model.train(was_training)
     return acc
-
-
-def _store(timeout: float) -> Any:
-    from torch.distributed import TCPStore
-
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                    int(os.environ.get("WORLD_SIZE", "1")), is_master=False,
-                    timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def _build(cfg: dict[str, Any], **strategy_kwargs: Any) -> tuple[Any, Any, Any]:
@@ -116,30 +121,6 @@ def _build(cfg: dict[str, Any], **strategy_kwargs: Any) -> tuple[Any, Any, Any]:
         optimizer = torch.optim.Adam(model.parameters(), lr=float(cfg["lr"]))
         model, optimizer = strategy.prepare(model, optimizer)
     return strategy, model, optimizer
-
-
-class _Progress(threading.Thread):
-    """Async workers: publish this worker's step count and watch for the stop key from a
-    thread with its own store client, so the training loop never waits on the store (which
-    shares the shaped link)."""
-
-    def __init__(self, rank: int, timeout: float) -> None:
-        super().__init__(daemon=True)
-        self.rank, self.timeout = rank, timeout
-        self.step = 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        store = _store(self.timeout)
-        last = -1
-        while not self.stop.is_set():
-            with contextlib.suppress(Exception):
-                if self.step != last:
-                    last = self.step
-                    store.set(f"{_TAG}step/{self.rank}", str(last))
-                if store.check([f"{_TAG}stop"]):
-                    self.stop.set()
-            time.sleep(0.02)
 
 
 def worker_main(cfg_path: str) -> int:
@@ -165,17 +146,7 @@ def worker_main(cfg_path: str) -> int:
                                          shuffle=True, seed=seed)
     sync, every, target = bool(cfg["sync"]), int(cfg["eval_every"]), float(cfg["target"])
     early_stop = bool(cfg["early_stop"])
-    progress = None
-    parties = world
-    if not sync:
-        progress = _Progress(rank, timeout)
-        ctrl.set(f"{_TAG}step/{rank}", "0")
-        progress.start()
-        parties += 1  # the evaluator
-
-    # Everybody starts the clock together (after start-up, prepare and PS registration).
-    ctrl.set(f"{_TAG}ready/{rank}", "1")
-    ctrl.wait([f"{_TAG}ready/{r}" for r in range(parties)], timedelta(seconds=timeout))
+    progress = start_together(ctrl, rank, world, sync, timeout)
     start = time.perf_counter()
     paused = 0.0  # seconds worker 0 spent evaluating (sync): not training time
     curve: list[tuple[float, float, float]] = []
@@ -233,12 +204,8 @@ def worker_main(cfg_path: str) -> int:
     elif sync and rank != 0 and step % every != 0:
         strategy.eval_model(model)  # join worker 0's last evaluation (a collective for some)
     metrics = strategy.metrics()
-    steps = max(1, int(metrics["steps"]))
     result: dict[str, Any] = {
-        "rank": rank, "steps": int(metrics["steps"]), "wall_seconds": end_wall,
-        "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
-        "bytes_sent_per_step": metrics["bytes_sent"] / steps,
-        "comm_seconds": metrics["comm_seconds"],
+        "rank": rank, **traffic(metrics, end_wall),
         "compute_ms_per_step": 1000 * compute_s / max(1, step),
         "sync_ms_per_step": 1000 * step_s / max(1, step),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
@@ -249,19 +216,8 @@ def worker_main(cfg_path: str) -> int:
         result.update(curve=curve, final_accuracy=curve[-1][2],
                       reached=None if reached is None else
                       {"wall": reached[0], "step": reached[1], "accuracy": reached[2]})
-    Path(cfg["result_dir"], f"rank{rank}.json").write_text(json.dumps(result))
-    if progress is not None:
-        progress.stop.set()
-        ctrl.set(f"{_TAG}step/{rank}", str(step))
-        ctrl.set(f"{_TAG}finished/{rank}", "1")
-    else:
-        # Nobody closes its sockets while a peer may still be reading the last collective.
-        ctrl.set(f"{_TAG}done/{rank}", "1")
-        ctrl.wait([f"{_TAG}done/{r}" for r in range(world)], timedelta(seconds=timeout))
-    strategy.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (gloo/gRPC destructors) once the result is out
+    finish_worker(cfg, ctrl, strategy, result, rank=rank, world=world, step=step,
+                  progress=progress, timeout=timeout)
 
 
 def evaluator_main(cfg_path: str) -> int:
@@ -276,64 +232,18 @@ def evaluator_main(cfg_path: str) -> int:
     from stratagem.demo import load_mnist5k
 
     torch.set_num_threads(1)
-    world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
-    every, target = int(cfg["eval_every"]), float(cfg["target"])
-    store = _store(timeout)
+    target = float(cfg["target"])
     _, (X_test, y_test) = load_mnist5k()
-    store.wait([f"{_TAG}ready/{r}" for r in range(world)], timedelta(seconds=timeout))
-    # Registered after every worker: it only reads the center / global parameters.
-    strategy, model, _ = _build(cfg, comm=sg.Comm.single())
-    store.set(f"{_TAG}ready/{world}", "1")
-    store.wait([f"{_TAG}ready/{r}" for r in range(world + 1)], timedelta(seconds=timeout))
-    start = time.perf_counter()
-    step_keys = [f"{_TAG}step/{r}" for r in range(world)]
-    finished = [f"{_TAG}finished/{r}" for r in range(world)]
-    curve: list[tuple[float, float, float]] = []
-    reached = None
-    next_at = 0.0
-    while True:
-        done = store.check(finished)
-        mean = sum(int(v) for v in store.multi_get(step_keys)) / world
-        if mean >= next_at or done:
-            wall = time.perf_counter() - start
-            acc = _accuracy(strategy.unwrap(strategy.eval_model(model)), X_test, y_test)
-            curve.append((wall, mean, acc))
-            next_at = (math.floor(mean / every) + 1) * every
-            if reached is None and acc >= target:
-                reached = {"wall": wall, "step": mean, "accuracy": acc}
-                if cfg["early_stop"]:
-                    store.set(f"{_TAG}stop", "1")
-                    break
-        if done:
-            break
-        time.sleep(0.01)
-    Path(cfg["result_dir"], "evaluator.json").write_text(json.dumps(
-        {"curve": curve, "final_accuracy": curve[-1][2], "reached": reached}))
-    strategy.close()
-    sys.stdout.flush()
-    os._exit(0)
+    run_evaluator(
+        cfg, lambda: _build(cfg, comm=sg.Comm.single()),
+        lambda strategy, model: _accuracy(strategy.unwrap(strategy.eval_model(model)),
+                                          X_test, y_test),
+        lambda acc: acc >= target,
+        lambda reached, wall: bool(cfg["early_stop"]) and reached is not None,
+        metric="accuracy")
 
 
 # =========================================================================== parent side
-
-
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
-def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            _kill_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill_group(p, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=grace)
 
 
 def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace,
@@ -345,97 +255,23 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     ``benchmarks/hierarchical.py``): K nodes of W/K workers, the workers of a node sharing
     its namespace, with torchrun's per-node environment; by default every worker has a
     namespace of its own and the job is one node."""
-    from torch.distributed import TCPStore
-
-    from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
-
     name, strategy_args, needs_ps, sync = STRATEGIES[key] if spec is None else spec
     # A variant's "_env" sets environment variables of its processes (shard, workers).
     strategy_args = dict(strategy_args)
     job_env = {str(k): str(v) for k, v in strategy_args.pop("_env", {}).items()}
-    W = args.workers
-    per_node = W // (nnodes or 1)
-    host = "127.0.0.1" if topo is None else topo.host_ip
     run_dir = tmp / f"{key}-{link}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
            "hidden": 256, "lr": 2e-3, "global_batch_size": 128, "eval_every": args.eval_every,
            "target": args.target, "max_epochs": args.max_epochs, "timeout": args.timeout,
            "early_stop": not args.no_early_stop, "result_dir": str(run_dir)}
-    cfg_path = run_dir / "cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
-    store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=args.timeout))
-    shards = None
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-    t0 = time.perf_counter()
-    error = None
-    try:
-        if needs_ps:
-            shards = start_ps_shards(1, host=host, env={**os.environ, **job_env})
-        script = [sys.executable, str(Path(__file__).resolve())]
-        # Async strategies get an evaluator (rank W here) on the bridge, next to the shard.
-        for r in range(W if sync else W + 1):
-            env = dict(os.environ)
-            env.update(worker_env(rank=r, world_size=W, master_port=store.port,
-                                  master_addr=host, nnodes=nnodes or 1,
-                                  ps_addrs=shards.addresses if shards else (), base={}))
-            if shards is not None:
-                env.update(shards.env())  # the job's shard token file
-            env["OMP_NUM_THREADS"] = "1"
-            env.update(job_env)
-            env["PYTHONPATH"] = child_pythonpath(env)
-            if r < W:
-                ns = r if nnodes is None else r // per_node
-                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(ns)
-                argv = [*([] if topo is None else topo.exec_prefix(ns)), *script, "--worker"]
-            else:
-                argv = [*script, "--evaluator"]
-            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + args.run_timeout
-        while any(p.poll() is None for p in procs):
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                error = f"timed out after {args.run_timeout:g} s"
-                break
-            time.sleep(0.1)
-        if error is None:
-            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-    finally:
-        _stop_all(procs)
-        for log in logs:
-            log.close()
-        if shards is not None:
-            shards.stop()
-        del store
-    job_seconds = time.perf_counter() - t0
-    ranks = []
-    for r in range(W):
-        f = run_dir / f"rank{r}.json"
-        if f.exists():
-            ranks.append(json.loads(f.read_text()))
-    out: dict[str, Any] = {"strategy": key, "link": link, "seed": seed,
-                           "strategy_args": strategy_args, "job_seconds": job_seconds,
-                           "error": error}
-    evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
-    if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
-        logs_text = [(run_dir / f"rank{r}.log").read_text(errors="replace")
-                     for r in range(len(procs))]
-        out["error"] = error or "no result from worker 0 or the evaluator"
-        out["log_tail"] = logs_text[0][-3000:] + "".join(
-            f"\n--- rank {r}\n{t[-1500:]}" for r, t in enumerate(logs_text)
-            if r and ("Error" in t or "Traceback" in t))
+    out, chief, ranks = run_job(
+        str(Path(__file__).resolve()), run_dir, cfg,
+        {"strategy": key, "link": link, "seed": seed, "strategy_args": strategy_args},
+        workers=args.workers, sync=sync, needs_ps=needs_ps, topo=topo, timeout=args.timeout,
+        run_timeout=args.run_timeout, nnodes=nnodes, job_env=job_env)
+    if chief is None:
         return out
-    chief = {**ranks[0], **json.loads(evaluator.read_text())}
     out.update({k: chief[k] for k in ("curve", "final_accuracy", "reached", "steps",
                                        "wall_seconds", "bytes_per_step",
                                        "bytes_sent_per_step", "comm_seconds",
@@ -569,32 +405,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], target: float,
          path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5.0), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, link in zip(axes[0], links, strict=True):
-        visible: list[float] = []  # times with accuracy inside the y range: the x range
-        for i, key in enumerate(strategies):
-            labelled = False
-            for r in runs:
-                if r["strategy"] != key or r["link"] != link or r.get("error") is not None:
-                    continue
-                # Log time axis (the fast strategies finish 10x sooner): drop the t=0 point.
-                points = [(w, a) for w, _, a in r["curve"] if w > 0]
-                if not points:
-                    continue
-                visible += [w for w, a in points if a >= 0.80]
-                wall, acc = zip(*points, strict=True)
-                ax.plot(wall, acc, color=colors[i % len(colors)], lw=1.1, alpha=0.8,
-                        label=None if labelled else key)
-                labelled = True
-        ax.axhline(target, color="k", ls="--", lw=0.8)
-        ax.set_title(f"link: {link}")
-        ax.set_xscale("log")
+    fig, axes, colors = figure(len(links))
+    for ax, link in zip(axes, links, strict=True):
+        # Log time axis (the fast strategies finish 10x sooner): the t=0 points are left out.
+        points = draw_seeds(ax, runs, link, strategies, colors, target)
+        # times with accuracy inside the y range: the x range
+        visible = [w for w, a in points if a >= 0.80]
         if visible:
             ax.set_xlim(min(visible) * 0.7, max(visible) * 1.3)
         ax.set_xlabel("training wall-clock (s, log scale)")
@@ -602,11 +418,8 @@ def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], ta
         ax.set_ylim(0.80, 0.96)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"MNIST-5k, 4 workers: test accuracy vs wall-clock, one line per seed "
-                 f"(dashed: the {target:.0%} target)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, f"MNIST-5k, 4 workers: test accuracy vs wall-clock, one line per seed "
+                     f"(dashed: the {target:.0%} target)", path)
 
 
 # =========================================================================== main
@@ -656,69 +469,45 @@ def add_run_arguments(p: argparse.ArgumentParser, *, example: str) -> None:
                    help="first three octets of the bridge's /24 (distinct per parallel run)")
 
 
+def parse_matrix(args: argparse.Namespace, table: dict[str, tuple[str, dict[str, Any], bool, bool]]
+                 ) -> tuple[list[str], list[str], dict[str, int]] | None:
+    """``table`` with the ``--variant`` rows added, then the strategies, links and seeds per
+    link that the options choose; None (after saying what is wrong) when they do not."""
+    if not add_variants(table, args.variant):
+        return None
+    strategies = choose(args.strategies, table)
+    if strategies is None:
+        return None
+    links = split_list(args.links)
+    per_link = seeds_per_link(args.seeds, links)
+    if per_link is None:
+        return None
+    return strategies, links, per_link
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="3",
-                   help="number of seeds (0..N-1), or per link: lo=3,100mbit=3,20mbit=1")
-    p.add_argument("--links", default="lo,100mbit,20mbit",
-                   help="comma list: lo and/or tc rates such as 100mbit,20mbit")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma list from {', '.join(STRATEGIES)}")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: 1 seed, lo + 100mbit, {', '.join(QUICK_STRATEGIES)}")
-    p.add_argument("--workers", type=int, default=4)
+    p = matrix_parser(__doc__, table=STRATEGIES, quick=QUICK_STRATEGIES,
+                      quick_links="lo,100mbit")
     add_run_arguments(p, example='ps-bucket=ps-async:{"bucket_cap_mb": 0.5}')
     add_job_arguments(p)
-    p.add_argument("--out", default=str(RESULTS / "convergence"),
-                   help="output path without extension (.json, .md, .png are written)")
-    p.add_argument("--from-json", metavar="PATH",
-                   help="only re-render the table and plot from an earlier run's JSON")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--evaluator", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.seeds = "1"
-        if args.links == p.get_default("links"):
-            args.links = "lo,100mbit"
-        if args.strategies == p.get_default("strategies"):
-            args.strategies = ",".join(QUICK_STRATEGIES)
-    return args
+    return parse_matrix_args(p, argv, out=RESULTS / "convergence", quick=QUICK_STRATEGIES,
+                             quick_links="lo,100mbit")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return worker_main(args.worker)
-    if args.evaluator:
-        return evaluator_main(args.evaluator)
-    if args.from_json:
-        return rewrite_from_json(args.from_json, Path(args.out))
+    done = dispatch(args, worker=worker_main, evaluator=evaluator_main,
+                    write_results=write_results)
+    if done is not None:
+        return done
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
-    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
+    from stratagem.testing.netns import Topology
 
-    if not add_variants(STRATEGIES, args.variant):
+    chosen = parse_matrix(args, STRATEGIES)
+    if chosen is None:
         return 2
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        print(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
-        return 2
-    links = [s.strip() for s in args.links.split(",") if s.strip()]
-    try:
-        if "=" in args.seeds:
-            per_link = {k.strip(): int(v) for k, v in
-                        (item.split("=", 1) for item in args.seeds.split(","))}
-            missing_links = [link for link in links if link not in per_link]
-            if missing_links:
-                raise ValueError(f"no seed count for {missing_links}")
-        else:
-            per_link = dict.fromkeys(links, int(args.seeds))
-    except ValueError as e:
-        print(f"--seeds must be N or LINK=N,LINK=N covering every link, got {args.seeds!r} "
-              f"({e})", file=sys.stderr)
-        return 2
+    strategies, links, per_link = chosen
     seeds = list(range(max(per_link.values(), default=0)))
     notes: list[str] = []
     missing: dict[str, str] = {}
@@ -726,16 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         missing["ps-async"] = f"{PS_MODULE} is not importable (not written yet)"
         notes.append(f"ps-async: n/a, {missing['ps-async']}.")
         print(f"ps-async: {missing['ps-async']}; its rows are n/a", flush=True)
-    shaped = [link for link in links if link != "lo"]
-    if shaped:
-        try:
-            if os.geteuid() != 0:
-                raise NetnsUnavailable("shaped links need root (ip netns, tc)")
-            check_netns()
-        except NetnsUnavailable as e:
-            print(f"cannot build shaped links ({e}); running loopback only", flush=True)
-            notes.append(f"shaped links {shaped} skipped: {e}")
-            links = [link for link in links if link == "lo"]
+    if not shaped_links_usable(links, notes):
+        links = [link for link in links if link == "lo"]
     runnable = [s for s in strategies if s not in missing]
     meta: dict[str, Any] = {
         "command": "python benchmarks/convergence.py " + " ".join(argv or sys.argv[1:]),
@@ -747,53 +528,23 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "python": platform.python_version(), "num_parameters": 269_322,
     }
-    runs: list[dict[str, Any]] = []
     topo = Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet) if any(link != "lo" for link in links) else None
-    t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # SIGTERM -> KeyboardInterrupt, so the finally below removes the namespaces either way.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with tempfile.TemporaryDirectory(prefix="sg-convergence-") as tmpdir:
-            if topo is not None:
-                topo.up()
-            for link in links:
-                if link != "lo":
-                    assert topo is not None
-                    topo.shape(link)
-                for seed in range(per_link[link]):
-                    # Rotate the order per seed so no strategy always runs first/last.
-                    order = runnable[seed % len(runnable):] + runnable[:seed % len(runnable)]
-                    for key in order:
-                        r = run_once(key, link, seed, None if link == "lo" else topo, args,
-                                     Path(tmpdir))
-                        runs.append(r)
-                        _print_run(r)
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
-        notes.append("interrupted: partial results")
-    finally:
-        if topo is not None:
-            topo.down()
-    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
+
+    def one(key: str, link: str, seed: int, topo: Any, tmp: Path) -> dict[str, Any]:
+        r = run_once(key, link, seed, topo, args, tmp)
+        _print_run(r)
+        return r
+
+    runs = run_matrix(links, per_link.__getitem__, runnable, topo, notes, one,
+                      meta=meta, tmp_prefix="sg-convergence-")
     params = [r["num_parameters"] for r in runs if r.get("num_parameters")]
     if params:
         meta["num_parameters"] = params[0]
     meta["missing"], meta["base_notes"] = missing, notes
     write_results(meta, runs, strategies, out)
     return 0 if all(r.get("error") is None for r in runs) else 1
-
-
-def _clean(value: Any) -> Any:
-    """inf/nan -> None, so the JSON is standard."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
 
 
 def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: list[str],
@@ -803,28 +554,10 @@ def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: 
     rows = summarize(runs, strategies, links, meta["seeds"], missing)
     meta["notes"] = list(meta.get("base_notes", [])) + _auto_notes(rows, runs,
                                                                    _registry_names(meta))
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
     ran = [k for k in strategies if k not in missing]
-    if runs:
-        plot(runs, links, ran, meta["target"], out.with_suffix(".png"))
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')}, .json, .png")
-
-
-def rewrite_from_json(path: str, out: Path) -> int:
-    """Re-render the table and the plot of an earlier run (no training)."""
-    data = json.loads(Path(path).read_text())
-    meta, runs = data["meta"], data["runs"]
-    write_results(meta, runs, list(meta["strategies"]), out)
-    return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    write_outputs(out, markdown(rows, meta), meta, rows, runs, wrote=", .json, .png",
+                  plot=(lambda: plot(runs, links, ran, meta["target"], out.with_suffix(".png")))
+                  if runs else None)
 
 
 def _print_run(r: dict[str, Any]) -> None:

@@ -39,14 +39,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import platform
-import signal
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +51,15 @@ RESULTS = HERE / "results"
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import lm  # noqa: E402 - the worker, the job runner and the model of benchmarks/lm.py
-from convergence import _clean, _fmt, _interrupt, _median  # noqa: E402
+from _common import (  # noqa: E402
+    choose,
+    rewrite_from_json,
+    run_matrix,
+    shaped_links_usable,
+    split_list,
+    write_outputs,
+)
+from convergence import _fmt, _median  # noqa: E402
 
 _DILOCO = {"period": 32, "outer_lr": 1.0, "outer_momentum": 0.3}
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous)
@@ -232,13 +236,7 @@ def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: 
     rows = summarize(runs, strategies, meta["links"])
     meta["notes"] = list(meta.get("base_notes", [])) + _targets(rows) + [
         f"{r['strategy']} on {r['link']}: a run failed: {e}" for r in rows for e in r["errors"]]
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')}, .json")
+    write_outputs(out, markdown(rows, meta), meta, rows, runs, wrote=", .json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -278,34 +276,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        write_results(data["meta"], data["runs"], list(data["meta"]["strategies"]),
-                      Path(args.out))
-        return 0
+        return rewrite_from_json(args.from_json, Path(args.out), write_results)
     sys.path.insert(0, str(REPO / "src"))
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
-    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
+    from stratagem.testing.netns import Topology
 
     lm.STRATEGIES.clear()
     lm.STRATEGIES.update(STRATEGIES)  # lm.run_once reads its table
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        print(f"unknown rows {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
+    strategies = choose(args.strategies, STRATEGIES, "rows")
+    if strategies is None:
         return 2
-    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    links = split_list(args.links)
     load_corpus()
     notes: list[str] = []
-    shaped = [link for link in links if link != "lo"]
-    if shaped:
-        try:
-            if os.geteuid() != 0:
-                raise NetnsUnavailable("shaped links need root (ip netns, tc)")
-            check_netns()
-        except NetnsUnavailable as e:
-            print(f"cannot build shaped links ({e}); running loopback only", flush=True)
-            notes.append(f"shaped links {shaped} skipped: {e}")
-            links = ["lo"]
+    if not shaped_links_usable(links, notes):
+        links = ["lo"]
     meta: dict[str, Any] = {
         "command": "python benchmarks/diloco_compression.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
@@ -317,39 +302,21 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "model": lm.MODEL,
         "num_parameters": GPT(GPTConfig(**lm.MODEL)).num_parameters(), "base_notes": notes,
     }
-    runs: list[dict[str, Any]] = []
     topo = (Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet)
             if any(link != "lo" for link in links) else None)
-    t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with tempfile.TemporaryDirectory(prefix="sg-dc-") as tmpdir:
-            if topo is not None:
-                topo.up()
-            for link in links:
-                if link != "lo":
-                    assert topo is not None
-                    topo.shape(link)
-                for seed in range(args.seeds):
-                    # Rotate the order per seed so no row always runs first (load drifts).
-                    k = seed % len(strategies)
-                    for key in strategies[k:] + strategies[:k]:
-                        # Mirrored (the time baseline) stops at the target; the DiLoCo rows
-                        # train to max_steps so their final losses compare at equal steps.
-                        args.stop_at_target = key == "mirrored"
-                        r = lm.run_once(key, link, seed, None if link == "lo" else topo, args,
-                                        Path(tmpdir))
-                        runs.append(r)
-                        _print_run(r, args.target)
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
-        notes.append("interrupted: partial results")
-    finally:
-        if topo is not None:
-            topo.down()
-    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
+
+    def one(key: str, link: str, seed: int, topo: Any, tmp: Path) -> dict[str, Any]:
+        # Mirrored (the time baseline) stops at the target; the DiLoCo rows train to
+        # max_steps so their final losses compare at equal steps.
+        args.stop_at_target = key == "mirrored"
+        r = lm.run_once(key, link, seed, topo, args, tmp)
+        _print_run(r, args.target)
+        return r
+
+    runs = run_matrix(links, lambda link: args.seeds, strategies, topo, notes, one,
+                      meta=meta, tmp_prefix="sg-dc-")
     write_results(meta, runs, strategies, out)
     return 0 if all(r.get("error") is None for r in runs) else 1
 

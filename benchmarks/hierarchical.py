@@ -9,9 +9,9 @@ holding both of its workers (intra-node traffic stays on the namespace's own loo
 fast), and each node's veth to the bridge is capped both ways with ``tc tbf`` at the link rate
 (inter-node traffic crosses two capped veths). The workers get torchrun's per-node environment
 (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE=2``, ``GROUP_RANK``), which is what node groups are built
-from. The worker code, the job runner and the formatting helpers are ``convergence.py``'s
-(imported, not copied); this file adds the 2-node layout, the strategy table and the byte
-counting.
+from. The worker code and the formatting helpers are ``convergence.py``'s, the job runner
+``_common.py``'s (imported, not copied); this file adds the 2-node layout, the strategy
+table and the byte counting.
 
 Strategies: flat Mirrored (DDP all-reduce every step over all 4 workers), flat DiLoCo (the
 convergence benchmark's settings: period 16, outer Nesterov lr 0.7, momentum 0.9) and
@@ -35,7 +35,6 @@ otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -53,6 +52,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
 
 import convergence as harness  # noqa: E402 - after the path set-up above
+from _common import _interrupt, choose, split_list, write_outputs  # noqa: E402
 
 NNODES = 2
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous): the same
@@ -210,13 +210,7 @@ def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: 
                   out: Path) -> None:
     rows = summarize(runs, strategies, meta["links"], meta["missing"])
     meta["notes"] = list(meta.get("base_notes", [])) + _verdicts(rows)
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        harness._clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')} and .json")
+    write_outputs(out, markdown(rows, meta), meta, rows, runs, wrote=" and .json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -241,17 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from stratagem.testing.netns import Topology, netns_unavailable_reason
 
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        print(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
+    strategies = choose(args.strategies, STRATEGIES)
+    if strategies is None:
         return 2
     reason = netns_unavailable_reason()
     if reason is not None:
         print(f"this benchmark needs 2 network namespaces with shaped links: {reason}",
               file=sys.stderr)
         return 2
-    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    links = split_list(args.links)
     missing = {k: f"`{STRATEGIES[k][0]}` is not in the registry yet (sg.strategy_names())"
                for k in strategies if not _available(STRATEGIES[k][0])}
     notes = [f"{k}: not run, {why}." for k, why in missing.items()]
@@ -272,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, harness._interrupt)  # -> KeyboardInterrupt: clean up below
+    signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: clean up below
     try:
         with tempfile.TemporaryDirectory(prefix="sg-hierarchical-") as tmpdir:
             topo.up()

@@ -37,12 +37,8 @@ import math
 import os
 import platform
 import resource
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +46,12 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from convergence import (  # noqa: E402 - the shared process and store plumbing
-    _TAG,
-    _clean,
+import _common as common  # noqa: E402 - the shared job runner and results plumbing
+from convergence import (  # noqa: E402 - formatting, --variant and option parsing
     _fmt,
-    _interrupt,
     _median,
-    _Progress,
-    _stop_all,
-    _store,
     add_run_arguments,
-    add_variants,
+    parse_matrix,
 )
 
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous)
@@ -129,7 +120,7 @@ def worker_main(cfg_path: str) -> int:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = float(cfg["timeout"])
-    ctrl = _store(timeout)
+    ctrl = common._store(timeout)
     strategy, model, optimizer = _build(cfg)
     built = strategy.metrics()  # prepare's traffic (rank 0 broadcasts the model)
     setup_bytes = built["bytes_sent"] + built["bytes_received"]
@@ -142,15 +133,7 @@ def worker_main(cfg_path: str) -> int:
     # False: train on to max_steps after the target (diloco_compression.py compares final
     # losses at a fixed step count); the first time the target was reached is still kept.
     stop_at_target = bool(cfg.get("stop_at_target", True))
-    progress = None
-    parties = world
-    if not sync:
-        progress = _Progress(rank, timeout)
-        ctrl.set(f"{_TAG}step/{rank}", "0")
-        progress.start()
-        parties += 1  # the evaluator
-    ctrl.set(f"{_TAG}ready/{rank}", "1")
-    ctrl.wait([f"{_TAG}ready/{r}" for r in range(parties)], timedelta(seconds=timeout))
+    progress = common.start_together(ctrl, rank, world, sync, timeout)
     start = time.perf_counter()
     paused = 0.0
     curve: list[tuple[float, float, float]] = []
@@ -175,9 +158,9 @@ def worker_main(cfg_path: str) -> int:
             if reached is None and loss <= target:
                 reached = (wall, step, loss)
             stop = (reached is not None and stop_at_target) or wall > max_wall
-            ctrl.set(f"{_TAG}go/{step}", "stop" if stop else "go")
+            ctrl.set(f"{common._TAG}go/{step}", "stop" if stop else "go")
         else:
-            stop = ctrl.get(f"{_TAG}go/{step}") == b"stop"
+            stop = ctrl.get(f"{common._TAG}go/{step}") == b"stop"
         paused += time.perf_counter() - t0
         return stop
 
@@ -207,12 +190,8 @@ def worker_main(cfg_path: str) -> int:
     metrics = strategy.metrics()
     for k in eval_traffic:
         metrics[k] -= eval_traffic[k]
-    steps = max(1, int(metrics["steps"]))
     result: dict[str, Any] = {
-        "rank": rank, "steps": int(metrics["steps"]), "wall_seconds": end_wall,
-        "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
-        "bytes_sent_per_step": metrics["bytes_sent"] / steps,
-        "comm_seconds": metrics["comm_seconds"],
+        "rank": rank, **common.traffic(metrics, end_wall),
         # DiLoCo's outer step (benchmarks/diloco_compression.py): the seconds the training
         # thread waited on outer all-reduces, and how many fragment syncs were applied.
         "outer_wait_seconds": metrics.get("outer_wait_seconds"),
@@ -225,18 +204,8 @@ def worker_main(cfg_path: str) -> int:
         result.update(curve=curve, final_val_loss=curve[-1][2],
                       reached=None if reached is None else
                       {"wall": reached[0], "step": reached[1], "val_loss": reached[2]})
-    Path(cfg["result_dir"], f"rank{rank}.json").write_text(json.dumps(result))
-    if progress is not None:
-        progress.stop.set()
-        ctrl.set(f"{_TAG}step/{rank}", str(step))
-        ctrl.set(f"{_TAG}finished/{rank}", "1")
-    else:
-        ctrl.set(f"{_TAG}done/{rank}", "1")
-        ctrl.wait([f"{_TAG}done/{r}" for r in range(world)], timedelta(seconds=timeout))
-    strategy.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (gloo/gRPC destructors) once the result is out
+    common.finish_worker(cfg, ctrl, strategy, result, rank=rank, world=world, step=step,
+                         progress=progress, timeout=timeout)
 
 
 def evaluator_main(cfg_path: str) -> int:
@@ -248,41 +217,14 @@ def evaluator_main(cfg_path: str) -> int:
     import stratagem as sg
 
     torch.set_num_threads(1)
-    world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
-    every, target = int(cfg["eval_every"]), float(cfg["target"])
-    store = _store(timeout)
+    target = float(cfg["target"])
     _, _, Xv, Yv = _data(cfg)
-    store.wait([f"{_TAG}ready/{r}" for r in range(world)], timedelta(seconds=timeout))
-    strategy, model, _ = _build(cfg, comm=sg.Comm.single())
-    store.set(f"{_TAG}ready/{world}", "1")
-    store.wait([f"{_TAG}ready/{r}" for r in range(world + 1)], timedelta(seconds=timeout))
-    start = time.perf_counter()
-    step_keys = [f"{_TAG}step/{r}" for r in range(world)]
-    finished = [f"{_TAG}finished/{r}" for r in range(world)]
-    curve: list[tuple[float, float, float]] = []
-    reached = None
-    next_at = 0.0
-    while True:
-        done = store.check(finished)
-        mean = sum(int(v) for v in store.multi_get(step_keys)) / world
-        if mean >= next_at or done:
-            wall = time.perf_counter() - start
-            loss = _val_loss(strategy.eval_model(model), Xv, Yv)
-            curve.append((wall, mean, loss))
-            next_at = (math.floor(mean / every) + 1) * every
-            if reached is None and loss <= target:
-                reached = {"wall": wall, "step": mean, "val_loss": loss}
-            if reached is not None or wall > float(cfg["max_wall"]):
-                store.set(f"{_TAG}stop", "1")
-                break
-        if done:
-            break
-        time.sleep(0.01)
-    Path(cfg["result_dir"], "evaluator.json").write_text(json.dumps(
-        {"curve": curve, "final_val_loss": curve[-1][2], "reached": reached}))
-    strategy.close()
-    sys.stdout.flush()
-    os._exit(0)
+    common.run_evaluator(
+        cfg, lambda: _build(cfg, comm=sg.Comm.single()),
+        lambda strategy, model: _val_loss(strategy.eval_model(model), Xv, Yv),
+        lambda loss: loss <= target,
+        lambda reached, wall: reached is not None or wall > float(cfg["max_wall"]),
+        metric="val_loss")
 
 
 # =========================================================================== parent side
@@ -292,13 +234,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
              tmp: Path) -> dict[str, Any]:
     """One job: ``args.workers`` worker processes (in namespaces on a shaped link), plus a
     PS shard and an evaluator when the strategy needs them."""
-    from torch.distributed import TCPStore
-
-    from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
-
     name, strategy_args, needs_ps, sync = STRATEGIES[key]
-    W = args.workers
-    host = "127.0.0.1" if topo is None else topo.host_ip
     run_dir = tmp / f"{key}-{link}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
@@ -307,74 +243,13 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
            "stop_at_target": getattr(args, "stop_at_target", True),
            "timeout": args.timeout, "result_dir": str(run_dir), "model": MODEL, "lr": LR,
            "global_batch": GLOBAL_BATCH}
-    cfg_path = run_dir / "cfg.json"
-    cfg_path.write_text(json.dumps(cfg))
-    store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=args.timeout))
-    shards = None
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-    t0 = time.perf_counter()
-    error = None
-    try:
-        if needs_ps:
-            shards = start_ps_shards(1, host=host)
-        script = [sys.executable, str(Path(__file__).resolve())]
-        for r in range(W if sync else W + 1):
-            env = dict(os.environ)
-            env.update(worker_env(rank=r, world_size=W, master_port=store.port,
-                                  master_addr=host,
-                                  ps_addrs=shards.addresses if shards else (), base={}))
-            if shards is not None:
-                env.update(shards.env())  # the job's shard token file
-            env["OMP_NUM_THREADS"] = "1"
-            env["PYTHONPATH"] = child_pythonpath(env)
-            if r < W:
-                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(r)
-                argv = [*([] if topo is None else topo.exec_prefix(r)), *script, "--worker"]
-            else:
-                argv = [*script, "--evaluator"]
-            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + args.run_timeout
-        while any(p.poll() is None for p in procs):
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                error = f"timed out after {args.run_timeout:g} s"
-                break
-            time.sleep(0.1)
-        if error is None:
-            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if bad:
-                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-    finally:
-        _stop_all(procs)
-        for log in logs:
-            log.close()
-        if shards is not None:
-            shards.stop()
-        del store
-    job_seconds = time.perf_counter() - t0
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(W)
-             if (run_dir / f"rank{r}.json").exists()]
-    out: dict[str, Any] = {"strategy": key, "link": link, "seed": seed,
-                           "strategy_args": strategy_args, "job_seconds": job_seconds,
-                           "error": error}
-    evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
-    if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
-        texts = [(run_dir / f"rank{r}.log").read_text(errors="replace")
-                 for r in range(len(procs))]
-        out["error"] = error or "no result from worker 0 or the evaluator"
-        out["log_tail"] = texts[0][-3000:] + "".join(
-            f"\n--- rank {r}\n{t[-1500:]}" for r, t in enumerate(texts)
-            if r and ("Error" in t or "Traceback" in t))
+    out, chief, ranks = common.run_job(
+        str(Path(__file__).resolve()), run_dir, cfg,
+        {"strategy": key, "link": link, "seed": seed, "strategy_args": strategy_args},
+        workers=args.workers, sync=sync, needs_ps=needs_ps, topo=topo, timeout=args.timeout,
+        run_timeout=args.run_timeout)
+    if chief is None:
         return out
-    chief = {**ranks[0], **json.loads(evaluator.read_text())}
     out.update({k: chief[k] for k in ("curve", "final_val_loss", "reached", "steps",
                                        "wall_seconds", "bytes_per_step",
                                        "bytes_sent_per_step", "comm_seconds",
@@ -482,31 +357,10 @@ def _auto_notes(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], target: float,
          path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5.0), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, link in zip(axes[0], links, strict=True):
-        longest = 1.0
-        for i, key in enumerate(strategies):
-            labelled = False
-            for r in runs:
-                if r["strategy"] != key or r["link"] != link or r.get("error") is not None:
-                    continue
-                points = [(w, loss) for w, _, loss in r["curve"] if w > 0]
-                if not points:
-                    continue
-                wall, loss = zip(*points, strict=True)
-                longest = max(longest, max(wall))
-                ax.plot(wall, loss, color=colors[i % len(colors)], lw=1.1, alpha=0.8,
-                        label=None if labelled else key)
-                labelled = True
-        ax.axhline(target, color="k", ls="--", lw=0.8)
-        ax.set_title(f"link: {link}")
-        ax.set_xscale("log")
+    fig, axes, colors = common.figure(len(links))
+    for ax, link in zip(axes, links, strict=True):
+        points = common.draw_seeds(ax, runs, link, strategies, colors, target)
+        longest = max([1.0] + [w for w, _ in points])
         # From 1 s: the first evaluations come a few milliseconds in and say nothing.
         ax.set_xlim(1.0, longest * 1.3)
         ax.set_xlabel("training wall-clock (s, log scale)")
@@ -514,43 +368,25 @@ def plot(runs: list[dict[str, Any]], links: list[str], strategies: list[str], ta
         ax.set_ylim(max(0.0, target - 0.2), target + 1.0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"char-level GPT, 4 workers: validation loss vs wall-clock, one line per seed "
-                 f"(dashed: the {target} target)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, f"char-level GPT, 4 workers: validation loss vs wall-clock, one "
+                            f"line per seed (dashed: the {target} target)", path)
 
 
 def write_results(meta: dict[str, Any], runs: list[dict[str, Any]], strategies: list[str],
                   out: Path) -> None:
     rows = summarize(runs, strategies, meta["links"])
     meta["notes"] = list(meta.get("base_notes", [])) + _auto_notes(rows)
-    table = markdown(rows, meta)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
-    if runs:
-        plot(runs, meta["links"], strategies, meta["target"], out.with_suffix(".png"))
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')}, .json, .png")
+    common.write_outputs(out, markdown(rows, meta), meta, rows, runs, wrote=", .json, .png",
+                         plot=(lambda: plot(runs, meta["links"], strategies, meta["target"],
+                                            out.with_suffix(".png"))) if runs else None)
 
 
 # =========================================================================== main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="3",
-                   help="number of seeds (0..N-1), or per link: lo=3,100mbit=3,20mbit=1")
-    p.add_argument("--links", default="lo,100mbit,20mbit",
-                   help="comma list: lo and/or tc rates such as 100mbit,20mbit")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma list from {', '.join(STRATEGIES)}")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: 1 seed, lo + 20mbit, {', '.join(QUICK_STRATEGIES)}")
-    p.add_argument("--workers", type=int, default=4)
+    p = common.matrix_parser(__doc__, table=STRATEGIES, quick=QUICK_STRATEGIES,
+                             quick_links="lo,20mbit")
     add_run_arguments(p, example='ps-prefetch=ps-async:{"prefetch": true}')
     p.add_argument("--target", type=float, default=2.8, help="validation loss to reach")
     p.add_argument("--eval-every", type=int, default=8,
@@ -561,71 +397,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "not reached (counted as not reached)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective/store timeout s")
     p.add_argument("--run-timeout", type=float, default=400.0, help="one job's time limit s")
-    p.add_argument("--out", default=str(RESULTS / "lm"),
-                   help="output path without extension (.json, .md, .png are written)")
-    p.add_argument("--from-json", metavar="PATH",
-                   help="only re-render the table and plot from an earlier run's JSON")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--evaluator", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.seeds = "1"
-        if args.links == p.get_default("links"):
-            args.links = "lo,20mbit"
-        if args.strategies == p.get_default("strategies"):
-            args.strategies = ",".join(QUICK_STRATEGIES)
-    return args
+    return common.parse_matrix_args(p, argv, out=RESULTS / "lm", quick=QUICK_STRATEGIES,
+                                    quick_links="lo,20mbit")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return worker_main(args.worker)
-    if args.evaluator:
-        return evaluator_main(args.evaluator)
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        write_results(data["meta"], data["runs"], list(data["meta"]["strategies"]),
-                      Path(args.out))
-        return 0
+    done = common.dispatch(args, worker=worker_main, evaluator=evaluator_main,
+                           write_results=write_results)
+    if done is not None:
+        return done
     sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
-    from stratagem.testing.netns import NetnsUnavailable, Topology, check_netns
+    from stratagem.testing.netns import Topology
 
-    if not add_variants(STRATEGIES, args.variant):
+    chosen = parse_matrix(args, STRATEGIES)
+    if chosen is None:
         return 2
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        print(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}", file=sys.stderr)
-        return 2
-    links = [s.strip() for s in args.links.split(",") if s.strip()]
-    try:
-        if "=" in args.seeds:
-            per_link = {k.strip(): int(v) for k, v in
-                        (item.split("=", 1) for item in args.seeds.split(","))}
-            missing_links = [link for link in links if link not in per_link]
-            if missing_links:
-                raise ValueError(f"no seed count for {missing_links}")
-        else:
-            per_link = dict.fromkeys(links, int(args.seeds))
-    except ValueError as e:
-        print(f"--seeds must be N or LINK=N,LINK=N covering every link, got {args.seeds!r} "
-              f"({e})", file=sys.stderr)
-        return 2
+    strategies, links, per_link = chosen
     load_corpus()  # fail here with the explanation, not in every worker
     notes: list[str] = []
     shaped = [link for link in links if link != "lo"]
-    if shaped:
-        try:
-            if os.geteuid() != 0:
-                raise NetnsUnavailable("shaped links need root (ip netns, tc)")
-            check_netns()
-        except NetnsUnavailable as e:
-            print(f"cannot build shaped links ({e}); running loopback only", flush=True)
-            notes.append(f"shaped links {shaped} skipped: {e}")
-            links = [link for link in links if link == "lo"]
-            per_link = {k: v for k, v in per_link.items() if k == "lo"}
+    if not common.shaped_links_usable(links, notes):
+        links = [link for link in links if link == "lo"]
+        per_link = {k: v for k, v in per_link.items() if k == "lo"}
     meta: dict[str, Any] = {
         "command": "python benchmarks/lm.py " + " ".join(argv or sys.argv[1:]),
         "workers": args.workers, "target": args.target, "eval_every": args.eval_every,
@@ -636,34 +431,17 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "model": MODEL,
         "num_parameters": GPT(GPTConfig(**MODEL)).num_parameters(), "base_notes": notes,
     }
-    runs: list[dict[str, Any]] = []
     topo = Topology(args.workers, prefix=args.netns_prefix, subnet=args.subnet) if shaped and any(link != "lo" for link in links) else None
-    t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: namespaces removed
-    try:
-        with tempfile.TemporaryDirectory(prefix="sg-lm-") as tmpdir:
-            if topo is not None:
-                topo.up()
-            for link in links:
-                if link != "lo":
-                    assert topo is not None
-                    topo.shape(link)
-                for seed in range(per_link[link]):
-                    order = strategies[seed % len(strategies):] + strategies[:seed % len(strategies)]
-                    for key in order:
-                        r = run_once(key, link, seed, None if link == "lo" else topo, args,
-                                     Path(tmpdir))
-                        runs.append(r)
-                        _print_run(r, args.target)
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
-        notes.append("interrupted: partial results")
-    finally:
-        if topo is not None:
-            topo.down()
-    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
+
+    def one(key: str, link: str, seed: int, topo: Any, tmp: Path) -> dict[str, Any]:
+        r = run_once(key, link, seed, topo, args, tmp)
+        _print_run(r, args.target)
+        return r
+
+    runs = common.run_matrix(links, per_link.__getitem__, strategies, topo, notes, one,
+                             meta=meta, tmp_prefix="sg-lm-")
     write_results(meta, runs, strategies, out)
     return 0 if all(r.get("error") is None for r in runs) else 1
 

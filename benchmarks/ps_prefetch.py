@@ -14,24 +14,21 @@ Writes benchmarks/results/ps_prefetch.{json,md}; prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import write_report
 from torch import nn
 
 from stratagem.comm import Comm
 from stratagem.launcher import start_ps_shards
 from stratagem.strategies.parameter_server import ParameterServer
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def make_model(hidden: int) -> nn.Module:
@@ -138,11 +135,7 @@ def main() -> None:
               "one fetch older: staleness 1); sync prefetch only overlaps the code between "
               "`optimizer.step()` and the next forward, so it gains ~nothing in a tight loop "
               "and gives identical results."]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "ps_prefetch.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                         indent=2) + "\n")
-    (RESULTS / "ps_prefetch.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report("ps_prefetch", meta, rows, lines)
 
 
 if __name__ == "__main__":

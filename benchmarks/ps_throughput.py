@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import signal
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import write_report
 
 from stratagem.ps import wire
 from stratagem.ps.placement import MaxSizePartitioner, greedy, specs_of
@@ -56,7 +56,6 @@ from stratagem.ps.rpc import grpc
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RAW_SERVICE = "stratagem.bench.Raw"
 
 
@@ -466,11 +465,7 @@ def main() -> None:
     if args.before_src:
         lines += ["", f"\"before\": the shard processes of `{args.before_src}`, driven by this "
                   f"checkout's client with `{meta['before_step']}` per step."]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "ps_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                           indent=2) + "\n")
-    (RESULTS / "ps_throughput.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report("ps_throughput", meta, rows, lines)
 
 
 if __name__ == "__main__":

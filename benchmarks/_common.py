@@ -1,0 +1,523 @@
+"""Plumbing shared by the benchmark scripts (not a benchmark itself).
+
+- :func:`run_job`: start one multi-process job (workers, an optional evaluator and PS shard,
+  in network namespaces on a shaped link or on loopback), wait for it, stop it, and read the
+  per-rank JSON results (``convergence.py``, ``lm.py`` and through them
+  ``diloco_compression.py`` and ``hierarchical.py``).
+- :func:`shaped_links_usable` and :func:`run_matrix`: the link x seed x strategy loop of those
+  scripts, with the namespace set-up and clean-up on SIGTERM / Ctrl-C.
+- :func:`write_outputs` (the ``.md`` / ``.json`` results of those scripts) and
+  :func:`write_report` (the ``results/NAME.json`` / ``.md`` of the PS micro-benchmarks).
+
+Every script puts this folder first on ``sys.path`` (it is the script's own folder), so
+``from _common import ...`` works both when run and when imported by another benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+# =========================================================================== worker side
+
+_TAG = "bench/"
+
+
+def _store(timeout: float) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                    int(os.environ.get("WORLD_SIZE", "1")), is_master=False,
+                    timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+class _Progress(threading.Thread):
+    """Async workers: publish this worker's step count and watch for the stop key from a
+    thread with its own store client, so the training loop never waits on the store (which
+    shares the shaped link)."""
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.rank, self.timeout = rank, timeout
+        self.step = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        store = _store(self.timeout)
+        last = -1
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                if self.step != last:
+                    last = self.step
+                    store.set(f"{_TAG}step/{self.rank}", str(last))
+                if store.check([f"{_TAG}stop"]):
+                    self.stop.set()
+            time.sleep(0.02)
+
+
+def start_together(ctrl: Any, rank: int, world: int, sync: bool, timeout: float
+                   ) -> _Progress | None:
+    """Everybody starts the clock together (after start-up, prepare and PS registration):
+    mark this worker ready and wait for the others (and the evaluator when not ``sync``).
+    Returns the started :class:`_Progress` thread of an asynchronous worker, else None."""
+    progress = None
+    parties = world
+    if not sync:
+        progress = _Progress(rank, timeout)
+        ctrl.set(f"{_TAG}step/{rank}", "0")
+        progress.start()
+        parties += 1  # the evaluator
+    ctrl.set(f"{_TAG}ready/{rank}", "1")
+    ctrl.wait([f"{_TAG}ready/{r}" for r in range(parties)], timedelta(seconds=timeout))
+    return progress
+
+
+def traffic(metrics: dict[str, Any], wall: float) -> dict[str, Any]:
+    """A worker result's steps, training seconds and bytes per step from ``metrics``."""
+    steps = max(1, int(metrics["steps"]))
+    return {
+        "steps": int(metrics["steps"]), "wall_seconds": wall,
+        "bytes_per_step": (metrics["bytes_sent"] + metrics["bytes_received"]) / steps,
+        "bytes_sent_per_step": metrics["bytes_sent"] / steps,
+        "comm_seconds": metrics["comm_seconds"],
+    }
+
+
+def finish_worker(cfg: dict[str, Any], ctrl: Any, strategy: Any, result: dict[str, Any], *,
+                  rank: int, world: int, step: int, progress: _Progress | None,
+                  timeout: float) -> None:
+    """Write ``rank{rank}.json``, tell the others (or the evaluator) this worker is done and
+    wait for them, close the strategy and exit the process."""
+    Path(cfg["result_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+    if progress is not None:
+        progress.stop.set()
+        ctrl.set(f"{_TAG}step/{rank}", str(step))
+        ctrl.set(f"{_TAG}finished/{rank}", "1")
+    else:
+        # Nobody closes its sockets while a peer may still be reading the last collective.
+        ctrl.set(f"{_TAG}done/{rank}", "1")
+        ctrl.wait([f"{_TAG}done/{r}" for r in range(world)], timedelta(seconds=timeout))
+    strategy.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (gloo/gRPC destructors) once the result is out
+
+
+def run_evaluator(cfg: dict[str, Any], build: Callable[[], tuple[Any, Any, Any]],
+                  score: Callable[[Any, Any], float], hit: Callable[[float], bool],
+                  stop: Callable[[dict[str, Any] | None, float], bool], *,
+                  metric: str) -> None:
+    """The evaluator process of an asynchronous job: once every worker is ready, ``build()``
+    a strategy instance that never steps, then each time the workers' mean step count
+    crosses a multiple of ``eval_every`` record ``score(strategy, model)``; the first score
+    for which ``hit`` is true is ``reached``; ``stop(reached, wall)`` sets the stop key. Writes
+    ``evaluator.json`` (``curve``, ``final_<metric>``, ``reached``) and exits."""
+    world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
+    every = int(cfg["eval_every"])
+    store = _store(timeout)
+    store.wait([f"{_TAG}ready/{r}" for r in range(world)], timedelta(seconds=timeout))
+    # Registered after every worker: it only reads the center / global parameters.
+    strategy, model, _ = build()
+    store.set(f"{_TAG}ready/{world}", "1")
+    store.wait([f"{_TAG}ready/{r}" for r in range(world + 1)], timedelta(seconds=timeout))
+    start = time.perf_counter()
+    step_keys = [f"{_TAG}step/{r}" for r in range(world)]
+    finished = [f"{_TAG}finished/{r}" for r in range(world)]
+    curve: list[tuple[float, float, float]] = []
+    reached = None
+    next_at = 0.0
+    while True:
+        done = store.check(finished)
+        mean = sum(int(v) for v in store.multi_get(step_keys)) / world
+        if mean >= next_at or done:
+            wall = time.perf_counter() - start
+            value = score(strategy, model)
+            curve.append((wall, mean, value))
+            next_at = (math.floor(mean / every) + 1) * every
+            if reached is None and hit(value):
+                reached = {"wall": wall, "step": mean, metric: value}
+            if stop(reached, wall):
+                store.set(f"{_TAG}stop", "1")
+                break
+        if done:
+            break
+        time.sleep(0.01)
+    Path(cfg["result_dir"], "evaluator.json").write_text(json.dumps(
+        {"curve": curve, f"final_{metric}": curve[-1][2], "reached": reached}))
+    strategy.close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# =========================================================================== parent side
+
+
+def _clean(value: Any) -> Any:
+    """inf/nan -> None, so the JSON is standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """SIGTERM every process group, then SIGKILL whatever is still alive after ``grace`` s."""
+    for p in procs:
+        if p.poll() is None:
+            _kill_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(p, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=grace)
+
+
+def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, Any], *,
+            workers: int, sync: bool, needs_ps: bool, topo: Any, timeout: float,
+            run_timeout: float, nnodes: int | None = None,
+            job_env: dict[str, str] | None = None
+            ) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
+    """One job of ``script``: ``workers`` processes ``script --worker CFG`` (rank r in
+    namespace r, or r // (workers // nnodes) with ``nnodes``; loopback when ``topo`` is None),
+    plus ``script --evaluator CFG`` when not ``sync`` and one PS shard when ``needs_ps``.
+
+    ``cfg`` is written to ``run_dir/cfg.json``; ``job_env`` is added to every process's
+    environment. Returns ``(out, chief, ranks)``: ``out`` is ``header`` plus ``job_seconds``
+    and ``error`` (and ``log_tail`` when the job failed or left no result); ``chief`` is worker
+    0's result merged with the evaluator's (None when the job failed); ``ranks`` the workers'
+    results that exist."""
+    from torch.distributed import TCPStore
+
+    from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
+
+    W = workers
+    per_node = W // (nnodes or 1)
+    job_env = job_env or {}
+    host = "127.0.0.1" if topo is None else topo.host_ip
+    cfg_path = run_dir / "cfg.json"
+    cfg_path.write_text(json.dumps(cfg))
+    store = TCPStore(host, 0, W, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=timeout))
+    shards = None
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    t0 = time.perf_counter()
+    error = None
+    try:
+        if needs_ps:
+            shards = start_ps_shards(1, host=host, env={**os.environ, **job_env})
+        argv0 = [sys.executable, script]
+        # Async strategies get an evaluator (rank W here) on the bridge, next to the shard.
+        for r in range(W if sync else W + 1):
+            env = dict(os.environ)
+            env.update(worker_env(rank=r, world_size=W, master_port=store.port,
+                                  master_addr=host, nnodes=nnodes or 1,
+                                  ps_addrs=shards.addresses if shards else (), base={}))
+            if shards is not None:
+                env.update(shards.env())  # the job's shard token file
+            env["OMP_NUM_THREADS"] = "1"
+            env.update(job_env)
+            env["PYTHONPATH"] = child_pythonpath(env)
+            if r < W:
+                ns = r if nnodes is None else r // per_node
+                env["GLOO_SOCKET_IFNAME"] = "lo" if topo is None else topo.worker_ifname(ns)
+                argv = [*([] if topo is None else topo.exec_prefix(ns)), *argv0, "--worker"]
+            else:
+                argv = [*argv0, "--evaluator"]
+            log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + run_timeout
+        while any(p.poll() is None for p in procs):
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                error = f"timed out after {run_timeout:g} s"
+                break
+            time.sleep(0.1)
+        if error is None:
+            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if bad:
+                error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+    finally:
+        _stop_all(procs)
+        for log in logs:
+            log.close()
+        if shards is not None:
+            shards.stop()
+        del store
+    job_seconds = time.perf_counter() - t0
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(W)
+             if (run_dir / f"rank{r}.json").exists()]
+    out: dict[str, Any] = {**header, "job_seconds": job_seconds, "error": error}
+    evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
+    if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
+        texts = [(run_dir / f"rank{r}.log").read_text(errors="replace")
+                 for r in range(len(procs))]
+        out["error"] = error or "no result from worker 0 or the evaluator"
+        out["log_tail"] = texts[0][-3000:] + "".join(
+            f"\n--- rank {r}\n{t[-1500:]}" for r, t in enumerate(texts)
+            if r and ("Error" in t or "Traceback" in t))
+        return out, None, ranks
+    return out, {**ranks[0], **json.loads(evaluator.read_text())}, ranks
+
+
+def shaped_links_usable(links: list[str], notes: list[str]) -> bool:
+    """Whether the shaped (non-``lo``) links in ``links`` can be built here: root and working
+    ``ip netns`` / ``tc``. When not, says why on stdout and in ``notes``."""
+    from stratagem.testing.netns import NetnsUnavailable, check_netns
+
+    shaped = [link for link in links if link != "lo"]
+    if not shaped:
+        return True
+    try:
+        if os.geteuid() != 0:
+            raise NetnsUnavailable("shaped links need root (ip netns, tc)")
+        check_netns()
+    except NetnsUnavailable as e:
+        print(f"cannot build shaped links ({e}); running loopback only", flush=True)
+        notes.append(f"shaped links {shaped} skipped: {e}")
+        return False
+    return True
+
+
+def run_matrix(links: list[str], seeds: Callable[[str], int], keys: list[str], topo: Any,
+               notes: list[str], run: Callable[[str, str, int, Any, Path], dict[str, Any]],
+               *, meta: dict[str, Any], tmp_prefix: str) -> list[dict[str, Any]]:
+    """``run(key, link, seed, topo or None on lo, tmp)`` for every link, ``seeds(link)`` seeds
+    and key, the keys' order rotated per seed so that no key always runs first (load drifts).
+
+    ``topo`` (when not None) is brought up first, shaped per link and always taken down;
+    SIGTERM and Ctrl-C stop the loop and keep the runs so far (a note says so). Sets
+    ``meta["total_minutes"]``."""
+    t_start = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: namespaces removed
+    try:
+        with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmpdir:
+            if topo is not None:
+                topo.up()
+            for link in links:
+                if link != "lo":
+                    assert topo is not None
+                    topo.shape(link)
+                for seed in range(seeds(link)):
+                    k = seed % len(keys)
+                    for key in keys[k:] + keys[:k]:
+                        runs.append(run(key, link, seed, None if link == "lo" else topo,
+                                        Path(tmpdir)))
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up and writing partial results", file=sys.stderr)
+        notes.append("interrupted: partial results")
+    finally:
+        if topo is not None:
+            topo.down()
+    meta["total_minutes"] = (time.perf_counter() - t_start) / 60
+    return runs
+
+
+def write_outputs(out: Path, table: str, meta: dict[str, Any], rows: list[dict[str, Any]],
+                  runs: list[dict[str, Any]], *, wrote: str,
+                  plot: Callable[[], None] | None = None) -> None:
+    """Write ``table`` to ``out.md`` and meta, summary rows and runs to ``out.json``, call
+    ``plot`` (if any), then print the table and ``wrote OUT.md`` + ``wrote``."""
+    out.with_suffix(".md").write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(
+        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
+    if plot is not None:
+        plot()
+    print()
+    print(table)
+    print(f"wrote {out.with_suffix('.md')}{wrote}")
+
+
+def write_report(name: str, meta: dict[str, Any], rows: list[dict[str, Any]],
+                 lines: list[str]) -> None:
+    """``results/NAME.json`` (meta and rows) and ``results/NAME.md`` (``lines``), then print
+    the lines."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                     indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def split_list(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]`` (a comma-list flag)."""
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def choose(text: str, table: Mapping[str, Any], what: str = "strategies") -> list[str] | None:
+    """The keys of the comma list ``text``, or None (after saying which on stderr) when one
+    is not in ``table``."""
+    keys = split_list(text)
+    unknown = [s for s in keys if s not in table]
+    if unknown:
+        print(f"unknown {what} {unknown}; choose from {list(table)}", file=sys.stderr)
+        return None
+    return keys
+
+
+def seeds_per_link(spec: str, links: list[str]) -> dict[str, int] | None:
+    """``--seeds``: ``N`` for every link, or ``LINK=N,LINK=N`` covering every link; None
+    (after saying why on stderr) when it is neither."""
+    try:
+        if "=" in spec:
+            per_link = {k.strip(): int(v) for k, v in
+                        (item.split("=", 1) for item in spec.split(","))}
+            missing_links = [link for link in links if link not in per_link]
+            if missing_links:
+                raise ValueError(f"no seed count for {missing_links}")
+        else:
+            per_link = dict.fromkeys(links, int(spec))
+    except ValueError as e:
+        print(f"--seeds must be N or LINK=N,LINK=N covering every link, got {spec!r} "
+              f"({e})", file=sys.stderr)
+        return None
+    return per_link
+
+
+def matrix_parser(doc: str | None, *, table: Mapping[str, Any], quick: list[str],
+                  quick_links: str) -> argparse.ArgumentParser:
+    """The options that ``convergence.py`` and ``lm.py`` share before their own: seeds,
+    links, strategies (the keys of ``table``), ``--quick`` and the worker count."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="3",
+                   help="number of seeds (0..N-1), or per link: lo=3,100mbit=3,20mbit=1")
+    p.add_argument("--links", default="lo,100mbit,20mbit",
+                   help="comma list: lo and/or tc rates such as 100mbit,20mbit")
+    p.add_argument("--strategies", default=",".join(table),
+                   help=f"comma list from {', '.join(table)}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: 1 seed, {quick_links.replace(',', ' + ')}, "
+                        f"{', '.join(quick)}")
+    p.add_argument("--workers", type=int, default=4)
+    return p
+
+
+def parse_matrix_args(p: argparse.ArgumentParser, argv: list[str] | None, *, out: Path,
+                      quick: list[str], quick_links: str) -> argparse.Namespace:
+    """Add the output and the (hidden) child-process options to ``p`` and parse ``argv``;
+    ``--quick`` means 1 seed, ``quick_links`` and the ``quick`` strategies unless those
+    were given."""
+    p.add_argument("--out", default=str(out),
+                   help="output path without extension (.json, .md, .png are written)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="only re-render the table and plot from an earlier run's JSON")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--evaluator", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds = "1"
+        if args.links == p.get_default("links"):
+            args.links = quick_links
+        if args.strategies == p.get_default("strategies"):
+            args.strategies = ",".join(quick)
+    return args
+
+
+def figure(panels: int) -> tuple[Any, Any, list[str]]:
+    """A matplotlib (Agg) figure of ``panels`` plots side by side: the figure, its axes and
+    the colour cycle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5.0), squeeze=False)
+    return fig, axes[0], plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
+def draw_seeds(ax: Any, runs: list[dict[str, Any]], link: str, strategies: list[str],
+               colors: list[str], target: float) -> list[tuple[float, float]]:
+    """One line per successful run on ``link`` (a colour per strategy, one legend entry per
+    strategy) of its ``curve`` against training wall time on a log axis, from t > 0, and a
+    dashed line at ``target``. Returns every (wall, value) point drawn."""
+    drawn: list[tuple[float, float]] = []
+    for i, key in enumerate(strategies):
+        labelled = False
+        for r in runs:
+            if r["strategy"] != key or r["link"] != link or r.get("error") is not None:
+                continue
+            points = [(w, v) for w, _, v in r["curve"] if w > 0]
+            if not points:
+                continue
+            drawn += points
+            wall, value = zip(*points, strict=True)
+            ax.plot(wall, value, color=colors[i % len(colors)], lw=1.1, alpha=0.8,
+                    label=None if labelled else key)
+            labelled = True
+    ax.axhline(target, color="k", ls="--", lw=0.8)
+    ax.set_title(f"link: {link}")
+    ax.set_xscale("log")
+    return drawn
+
+
+def save_figure(fig: Any, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rewrite_from_json(path: str, out: Path,
+                      write_results: Callable[[dict[str, Any], list[dict[str, Any]],
+                                               list[str], Path], None]) -> int:
+    """``--from-json PATH``: re-render the table (and plot) of an earlier run, no training."""
+    data = json.loads(Path(path).read_text())
+    meta, runs = data["meta"], data["runs"]
+    write_results(meta, runs, list(meta["strategies"]), out)
+    return 0
+
+
+def dispatch(args: argparse.Namespace, *, worker: Callable[[str], int],
+             evaluator: Callable[[str], int],
+             write_results: Callable[[dict[str, Any], list[dict[str, Any]], list[str], Path],
+                                     None]) -> int | None:
+    """Run what ``--worker CFG``, ``--evaluator CFG`` or ``--from-json PATH`` asks for and
+    return its exit code; None when none was given (the parent of a benchmark run)."""
+    if args.worker:
+        return worker(args.worker)
+    if args.evaluator:
+        return evaluator(args.evaluator)
+    if args.from_json:
+        return rewrite_from_json(args.from_json, Path(args.out), write_results)
+    return None
