@@ -22,8 +22,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/stratagem demo
 
+# Two pytest workers (pytest-xdist), a test file each: launched-process tests spend much of
+# their time waiting (start-up, timeouts, restarts), so two at a time fit 2 cores. One quiet
+# run: 499 s of pytest, 1.7 cores busy; the last run one test at a time took 736 s.
 test: $(STAMP)
-	$(BIN)/python -m pytest -x --durations=15
+	$(BIN)/python -m pytest -x -n 2 --dist loadfile --durations=15
 
 # The CUDA checks (tests/gpu), with the torch already installed (a CUDA build): no install
 # step, so a GPU machine's own torch is the one tested. Skipped test by test without CUDA.

@@ -34,7 +34,7 @@ def test_unknown_argument_names_the_nearest_and_every_valid_one():
     text = str(info.value)
     assert "\n" not in text
     assert "LocalSGD (local_sgd) has no argument 'perod'; did you mean period?" in text
-    assert "Valid arguments: period, warmup_steps, precision," in text
+    assert "Valid arguments: period, warmup_steps, compression, precision," in text
     # No close name: no guess, still the list.
     with pytest.raises(TypeError, match=r"has no argument 'xyzzy'\. Valid arguments: period"):
         sg.from_name("local_sgd", xyzzy=1)
