@@ -61,6 +61,13 @@ def _alive(pid: int) -> bool:
 # ----------------------------------------------------------------- in-process
 
 
+def test_python_dash_m_stratagem_is_the_command() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "stratagem", "run", "--help"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage: stratagem run" in r.stdout, r.stderr
+
+
 def test_torchrun_command_single_and_multi_node() -> None:
     parser = cli.build_parser()
     single = cli.torchrun_command(parser.parse_args(
