@@ -218,19 +218,6 @@ def test_a_learning_rate_of_1e30_is_refused(shard, good, op) -> None:
 
 # -- 5. stalling or bloating a shard ------------------------------------------------------
 
-def _senders(n: int, address: str, data: bytes, busy: threading.Event,
-             codes: list[grpc.StatusCode]) -> list[threading.Thread]:
-    def send() -> None:
-        while busy.is_set():
-            _, err = _raw(address, data)
-            codes.append(err.code() if err is not None else grpc.StatusCode.OK)
-
-    threads = [threading.Thread(target=send, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-    return threads
-
-
 class ProcShard:
     """A shard in a process of its own (its own interpreter and GIL, as in a real job)."""
 
