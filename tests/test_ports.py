@@ -69,8 +69,7 @@ def original_accuracy(tmp_path_factory: pytest.TempPathFactory) -> float:
     return _last_accuracy(buf.getvalue())
 
 
-def _port_on_two_ranks(argv: list[str], name: str, kwargs: dict[str, object],
-                       monkeypatch: pytest.MonkeyPatch) -> None:
+def _port_on_two_ranks(argv: list[str], name: str, kwargs: dict[str, object]) -> None:
     # Ranks as threads share torch's global RNG, which the script seeds and then draws its
     # model from: run concurrently, the two ranks' draws interleave differently run to run
     # (the same seed scored up to 1.5 points apart). In processes each has its own RNG; here
@@ -83,8 +82,6 @@ def _port_on_two_ranks(argv: list[str], name: str, kwargs: dict[str, object],
         reached[self.replica_id].set()
         return prepare(self, *args, **kw)
 
-    monkeypatch.setattr(sg.Strategy, "prepare", prepare_in_order)
-
     def rank(comm: sg.Comm) -> None:
         if comm.rank > 0 and not reached[comm.rank - 1].wait(120):
             raise TimeoutError(f"rank {comm.rank - 1} did not reach prepare in 120 s")
@@ -94,10 +91,9 @@ def _port_on_two_ranks(argv: list[str], name: str, kwargs: dict[str, object],
         strategy_args = [f"--strategy-arg={k}={v}" for k, v in kwargs.items()]
         main([*argv, "--strategy", name, *strategy_args], comm=comm)
 
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # undone before the next job wraps it
+        patch.setattr(sg.Strategy, "prepare", prepare_in_order)
         run_ranks(rank, 2, timeout=150.0, comm_timeout=30.0)
-    finally:
-        monkeypatch.setattr(sg.Strategy, "prepare", prepare)
 
 
 # LocalSGD with Lin et al.'s warm-up ("post-local SGD": average every step first, then every
@@ -112,13 +108,13 @@ def test_imagenet_port_resumes_and_reaches_the_original_accuracy(
     monkeypatch.syspath_prepend(str(IMAGENET))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("STRATAGEM_STRATEGY", raising=False)
-    _port_on_two_ranks(["--epochs", "1", *IMAGENET_ARGS], name, kwargs, monkeypatch)
+    _port_on_two_ranks(["--epochs", "1", *IMAGENET_ARGS], name, kwargs)
     first = capsys.readouterr().out
     assert "Epoch: [0]" in first and (tmp_path / "checkpoint" / "model.safetensors").is_file()
     assert read_extras(tmp_path / "checkpoint")["scheduler"]["last_epoch"] == 1
     # A new job resumes from the port's own checkpoint: model, optimizer, StepLR, epoch.
     _port_on_two_ranks(["--epochs", "2", "--resume", "checkpoint", *IMAGENET_ARGS], name,
-                       kwargs, monkeypatch)
+                       kwargs)
     second = capsys.readouterr().out
     assert "=> loaded checkpoint 'checkpoint' (epoch 1)" in second
     assert "Epoch: [1]" in second and "Epoch: [0]" not in second

@@ -134,8 +134,8 @@ def check_argument_names_early(name: str, kwargs: dict[str, Any]) -> None:
     anything else: a misspelt ``--strategy-arg`` exits in well under a second after Python's
     start-up). Values are not checked: building the strategy does that."""
     entry = _BY_NAME[canonical_name(name)]
-    _, arguments = _arguments_early(entry.name)
-    check_argument_names(entry.name, arguments, {**entry.preset, **kwargs},
+    registry_name, arguments = _arguments_early(name)
+    check_argument_names(registry_name, arguments, {**entry.preset, **kwargs},
                          resolve=_arguments_early)
 
 
