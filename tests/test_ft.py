@@ -64,7 +64,8 @@ def _train(comm, make, steps, faults, width=32):
         if strategy.steps >= steps:
             break
     strategy.finalize(model)
-    module = strategy.unwrap(model)
+    # The consensus (EASGD: the center, replicated bitwise) and, per replica, the rest.
+    module = strategy.eval_model(model)
     return ({k: v.detach().clone() for k, v in module.state_dict().items()},
             strategy.steps, comm.heals, comm.failed_steps, dict(loader.state_dict()))
 
@@ -75,6 +76,10 @@ STRATEGIES = {
     "diloco": lambda comm: sg.DiLoCo(comm=comm, period=4, fragments=2),
     # The quantized all-reduce (issue 24) on the fault-tolerant Comm: one mechanism for both.
     "diloco_int8": lambda comm: sg.DiLoCo(comm=comm, period=4, compression="int8"),
+    # Sync EASGD: the exchange is one transaction; a joiner gets the center, the schedule and
+    # the moving rate (fixed from the launched slots, not the quorum of the moment).
+    "easgd": lambda comm: sg.ElasticAveraging(comm=comm, period=3),
+    "eamsgd": lambda comm: sg.ElasticAveraging(comm=comm, period=3, momentum=0.5),
 }
 
 
@@ -85,6 +90,7 @@ def _assert_equal(results):
             assert torch.equal(first[k], state[k]), k
 
 
+@pytest.mark.filterwarnings("ignore:EAMSGD")  # EAMSGD over SGD with momentum: fine here
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_a_killed_replica_is_restarted_and_healed_bitwise(name):
     faults = ReplicaFaults().fail_at(1, 6)
@@ -151,8 +157,15 @@ def test_a_quorum_below_min_replicas_fails_after_timeout_naming_the_missing_repl
     assert info.value.missing == (1,)
 
 
+def test_a_failed_elastic_exchange_changes_nothing_and_the_centers_end_equal():
+    faults = ReplicaFaults().fail_collective(2, 3)  # the first exchange (period 3)
+    results = run_replicas(_train, 3, args=(STRATEGIES["easgd"], 12, faults), faults=faults)
+    _assert_equal(results)
+    assert results[2][3] == 1
+
+
 @pytest.mark.parametrize("make", [lambda: sg.Sharded(fault_tolerant=True),
-                                  lambda: sg.ElasticAveraging(fault_tolerant=True),
+                                  lambda: sg.ElasticAveraging(rho=0.1, fault_tolerant=True),
                                   lambda: sg.Hierarchical(inner=sg.Mirrored(),
                                                           outer=sg.DiLoCo(),
                                                           fault_tolerant=True)])

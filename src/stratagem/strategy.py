@@ -332,8 +332,9 @@ class Strategy:
         if wanted and not self._fault_tolerance:
             raise ValueError(
                 f"{type(self).__name__} cannot run fault tolerant yet (fault_tolerant=True, or "
-                f"launched with --fault-tolerant); supported: Mirrored, LocalSGD, DiLoCo. Fix: "
-                "use one of those, or launch without --fault-tolerant")
+                f"launched with --fault-tolerant); supported: Mirrored, LocalSGD, DiLoCo, "
+                "ElasticAveraging(mode='sync', rho=0). Fix: use one of those, or launch without "
+                "--fault-tolerant")
         return wanted, min_replicas
 
     @property
@@ -1179,6 +1180,7 @@ class Strategy:
                 "local_steps": prepared.local_steps,
                 "optimizers": [opt.optimizer.state_dict() for opt in prepared.optimizers],
                 "parts": {part.name: part.heal_state(prepared) for part in self.parts},
+                "strategy": self._heal_extra(prepared),
             })
         return {"steps": self._steps, "skipped": self._skipped,
                 "precision": self.precision.state_dict(), "models": models,
@@ -1214,12 +1216,21 @@ class Strategy:
                     opt.optimizer.load_state_dict(opt_state)
                 for part in self.parts:
                     part.load_heal_state(prepared, saved["parts"].get(part.name, {}))
+                self._load_heal_extra(prepared, saved.get("strategy", {}))
         self._steps = int(state["steps"])
         self._skipped = int(state["skipped"])
         self.precision.load_state_dict(state["precision"])
         self._healed_loaders = list(state.get("loaders", []))
         for loader, position in zip(self._loaders, self._healed_loaders):
             loader.fast_forward(position)
+
+    def _heal_extra(self, prepared: Prepared) -> dict[str, Any]:
+        """State a strategy keeps outside its parts that a joining replica needs (a tree of
+        tensors and JSON values; not a collective). None by default."""
+        return {}
+
+    def _load_heal_extra(self, prepared: Prepared, state: dict[str, Any]) -> None:
+        """Load what a live peer's :meth:`_heal_extra` returned."""
 
     def _find_prepared(self, model: nn.Module) -> Prepared | None:
         for p in self._prepared:

@@ -434,7 +434,8 @@ class FaultTolerantComm(Comm):
     def split(self, groups: Any, *, name: str = "split") -> Comm:
         raise NotImplementedError(
             "a fault-tolerant Comm cannot be split into sub-groups yet (its membership "
-            "changes). Fix: use fault_tolerant=True on Mirrored, LocalSGD or DiLoCo")
+            "changes). Fix: use fault_tolerant=True on Mirrored, LocalSGD, DiLoCo or "
+            "ElasticAveraging(mode='sync')")
 
     def ddp_group(self) -> dist.ProcessGroup:
         """The group DDP is built on: a world of one (DDP's own start-up collectives and
