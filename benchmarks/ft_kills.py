@@ -74,7 +74,10 @@ def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
             deadline = time.monotonic() + 600
             while _progress(out, slot) < frac * steps:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"{strategy}: slot {slot} never reached {frac:.0%}")
+                    proc.kill()
+                    text = proc.communicate()[0].decode(errors="replace")
+                    raise SystemExit(f"{strategy}: slot {slot} never reached {frac:.0%}:\n"
+                                     f"{text[-3000:]}")
                 time.sleep(0.02)
             pid = int((out / f"pids.{slot}").read_text().split()[-1])
             os.kill(pid, signal.SIGKILL)

@@ -172,3 +172,47 @@ def test_a_failed_elastic_exchange_changes_nothing_and_the_centers_end_equal():
 def test_strategies_without_fault_tolerance_say_so(make):
     with pytest.raises(ValueError, match="cannot run fault tolerant yet.*Mirrored, LocalSGD"):
         make()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_keep_global_batch_trains_on_a_missing_replicas_share():
+    # Slot 3 of 4 is missing for the whole run. With keep_global_batch the three live
+    # replicas train on its share too (slot 0 adopts it, as one more micro-batch, and every
+    # loss is weighted so the mean over 3 replicas is the mean over 4 shares): the result is
+    # the fault-free 4-replica run's up to float rounding. Without it, slot 3's samples are
+    # lost and the model is another one.
+    keep = lambda comm: sg.Mirrored(comm=comm, keep_global_batch=True)  # noqa: E731
+    full = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None))
+    kept = run_replicas(_train, 4, args=(keep, 8, None), absent=(3,))
+    lost = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None), absent=(3,))
+    _assert_equal(full)
+    _assert_equal(kept[:3])
+    _assert_equal(lost[:3])
+    close = _max_diff(kept[0][0], full[0][0])
+    assert close < 1e-5, close
+    assert _max_diff(lost[0][0], full[0][0]) > 100 * max(close, 1e-7)
+    assert all(r[1] == 8 for r in kept[:3])
+    assert len({(r[4]["epoch"], r[4]["step_in_epoch"]) for r in kept[:3]}) == 1
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_keep_global_batch_through_a_kill(restart):
+    # The adoption follows the quorum: a survivor takes the dead replica's share from the
+    # quorum without it on, and gives it back when a replacement has healed (restart).
+    keep = lambda comm: sg.Mirrored(comm=comm, keep_global_batch=True)  # noqa: E731
+    faults = ReplicaFaults().fail_at(1, 4, restart=restart)
+    results = run_replicas(_train, 3, args=(keep, 12, faults), faults=faults)
+    live = [r for r in results if r is not None]
+    _assert_equal(live)
+    assert all(r[1] == 12 for r in live)
+    assert len({(r[4]["epoch"], r[4]["step_in_epoch"]) for r in live}) == 1
+
+
+def test_keep_global_batch_needs_fault_tolerance_and_a_gradient_mean():
+    with pytest.raises(ValueError, match="keep_global_batch=True.*not fault tolerant"):
+        sg.Mirrored(keep_global_batch=True, fault_tolerant=False)
+    with pytest.raises(ValueError, match="keep_global_batch=True needs a step that averages"):
+        sg.LocalSGD(keep_global_batch=True, fault_tolerant=True)
