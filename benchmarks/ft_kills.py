@@ -13,7 +13,8 @@ the steps; slot 0 is never killed. Checked and reported per strategy:
 - test accuracy against the fault-free run's (target: within 0.5 point);
 - goodput: committed samples per second over the fault-free job's (a slot's share of a
   global batch counts for each step the slot took part in; while a slot is away its share
-  is lost), and the time lost per kill: on slot 0, the longest gap between two committed
+  is lost, unless ``mirrored_keep``, Mirrored with ``keep_global_batch=True``, where a live
+  replica trains on it), and the time lost per kill: on slot 0, the longest gap between two committed
   steps after each kill, minus the median step.
 
     PYTHONPATH=src python benchmarks/ft_kills.py [--strategies mirrored,local_sgd,diloco,easgd]
@@ -101,6 +102,8 @@ def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
     # Committed samples: each slot's share of the global batch for every step it took part
     # in (a slot logs a step once it is applied; a missing slot's share is lost).
     slot_steps = sum(len({step for step, _ in _stamps(out, s)}) for s in range(NPROC))
+    if strategy.endswith("_keep"):  # keep_global_batch: every committed step trains N shares
+        slot_steps = NPROC * len({step for step, _ in _stamps(out, 0)})
     result: dict[str, Any] = {
         "committed_slot_steps": slot_steps,
         "committed_slot_steps_per_s": slot_steps / (stamps[-1] - stamps[0]),

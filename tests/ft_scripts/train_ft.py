@@ -43,6 +43,8 @@ else:
 
 t = args.timeout
 make = {"mirrored": lambda: sg.Mirrored(timeout=t),
+        # keep_global_batch: a live replica trains on a missing one's share (benchmarks).
+        "mirrored_keep": lambda: sg.Mirrored(timeout=t, keep_global_batch=True),
         "local_sgd": lambda: sg.LocalSGD(period=4, timeout=t),
         # Outer momentum 0.5, not the paper's 0.9: with period 4 (not 500) Nesterov 0.9
         # overshoots on MNIST-5k (0.59 test accuracy after 400 steps against 0.94 at 0.5,
