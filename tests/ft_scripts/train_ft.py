@@ -35,6 +35,9 @@ p.add_argument("--model", choices=["seq", "mlp"], default="seq",
                help="seq: Linear-ReLU-Linear (tests); mlp: stratagem.demo.MLP (benchmarks)")
 p.add_argument("--ckpt-dir", default=None, help="restart-all + resume: checkpoint folder")
 p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every K steps")
+p.add_argument("--outer-momentum", type=float, default=0.9,
+               help="DiLoCo's outer Nesterov momentum (0.9 diverges on the MNIST MLP with the "
+                    "inner SGD momentum: the benchmarks pass 0)")
 args = p.parse_args()
 slot = int(os.environ.get("STRATAGEM_FT_SLOT", os.environ.get("RANK", "0")))
 with open(os.path.join(args.out, f"pids.{slot}"), "a") as f:
@@ -54,7 +57,8 @@ else:
 t = args.timeout
 make = {"mirrored": lambda: sg.Mirrored(timeout=t),
         "local_sgd": lambda: sg.LocalSGD(period=4, timeout=t),
-        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t),
+        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t,
+                                    outer_momentum=args.outer_momentum),
         "easgd": lambda: sg.ElasticAveraging(period=4, timeout=t)}[args.strategy]
 strategy = make()
 torch.manual_seed(slot)
