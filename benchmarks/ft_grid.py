@@ -214,6 +214,9 @@ def run(system: str, period: float | None, args: argparse.Namespace) -> dict[str
     rng = random.Random(args.seed)
     kills: list[dict[str, Any]] = []
     next_kill: float | None = None
+    # A running max: the workers rewrite their progress files together after each step, so
+    # one read may find them all truncated.
+    progress = 0
     deadline = time.monotonic() + args.max_wall
     rc = None
     while rc is None:
@@ -230,7 +233,8 @@ def run(system: str, period: float | None, args: argparse.Namespace) -> dict[str
             if any(_read(out / f"times.{s}") for s in range(NPROC)):
                 next_kill = time.time() + period
             continue
-        if time.time() < next_kill or _progress(out) >= args.kill_until * args.steps:
+        progress = max(progress, _progress(out))
+        if time.time() < next_kill or progress >= args.kill_until * args.steps:
             continue
         live = _live(out)
         if not live:
