@@ -108,6 +108,14 @@ def test_round_trip_bitwise_to_two_joiners_and_a_joiner_that_asks_first() -> Non
         state["user"]["model"]["0.weight"].add_(1.0)
         again = client.recv_checkpoint(0, server.metadata(), 7, T)
         assert not again["user"]["model"]["0.weight"].equal(state["user"]["model"]["0.weight"])
+        # The byte counters (what a heal moved): one copy of the state per fetch.
+        tensor_bytes = sum(v.numel() * v.element_size() for v in state["user"]["model"].values())
+        one = other.bytes_received
+        assert one > tensor_bytes and client.bytes_received == 2 * one
+        deadline = time.monotonic() + 2.0
+        while server.bytes_served < 3 * one and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.bytes_served == 3 * one
         # A wrong step is refused by the server, naming both.
         with pytest.raises(sg.CheckpointError, match="serving step 7, asked for step 8"):
             client.recv_checkpoint(0, server.metadata(), 8, T)

@@ -2,7 +2,13 @@
 --fault-tolerant``): MNIST-5k-like synthetic digits, an MLP, ``--strategy``; each worker
 appends its PID to ``OUT/pids.<slot>`` at start and writes its final model and accuracy to
 ``OUT/final.<slot>.safetensors`` / ``OUT/acc.<slot>``; ``OUT/progress.<slot>`` holds the
-last step (the test kills a worker once training is under way)."""
+last step (the test kills a worker once training is under way).
+
+Benchmark additions (``benchmarks/ft_grid.py``): ``--model mlp`` (``stratagem.demo.MLP``,
+``--width`` hidden units; MNIST only), ``--ckpt-dir``/``--ckpt-every K`` (restart-all +
+resume: restore ``CKPT_DIR/ckpt`` at start if it exists, save it every K steps), and
+``OUT/heal.<slot>`` (one line per heal: heals, bytes the heal moved, heal seconds so far,
+time)."""
 
 import argparse
 import itertools
@@ -25,6 +31,13 @@ p.add_argument("--timeout", type=float, default=10.0)
 p.add_argument("--width", type=int, default=64)
 p.add_argument("--data", choices=["synthetic", "mnist"], default="synthetic",
                help="synthetic (tests): 3000 clustered 64-d points; mnist: MNIST-5k (benchmarks)")
+p.add_argument("--model", choices=["seq", "mlp"], default="seq",
+               help="seq: Linear-ReLU-Linear (tests); mlp: stratagem.demo.MLP (benchmarks)")
+p.add_argument("--ckpt-dir", default=None, help="restart-all + resume: checkpoint folder")
+p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every K steps")
+p.add_argument("--outer-momentum", type=float, default=0.5,
+               help="DiLoCo's outer Nesterov momentum (0.9 diverges on the MNIST MLP with the "
+                    "inner SGD momentum; ft_grid.py passes 0)")
 args = p.parse_args()
 slot = int(os.environ.get("STRATAGEM_FT_SLOT", os.environ.get("RANK", "0")))
 with open(os.path.join(args.out, f"pids.{slot}"), "a") as f:
@@ -46,19 +59,29 @@ make = {"mirrored": lambda: sg.Mirrored(timeout=t),
         # keep_global_batch: a live replica trains on a missing one's share (benchmarks).
         "mirrored_keep": lambda: sg.Mirrored(timeout=t, keep_global_batch=True),
         "local_sgd": lambda: sg.LocalSGD(period=4, timeout=t),
-        # Outer momentum 0.5, not the paper's 0.9: with period 4 (not 500) Nesterov 0.9
-        # overshoots on MNIST-5k (0.59 test accuracy after 400 steps against 0.94 at 0.5,
-        # 4 replicas as threads).
-        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, outer_momentum=0.5, timeout=t),
+        # --outer-momentum 0.5 by default, not the paper's 0.9: with period 4 (not 500)
+        # Nesterov 0.9 overshoots on MNIST-5k (0.59 test accuracy after 400 steps against 0.94
+        # at 0.5, 4 replicas as threads).
+        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t,
+                                    outer_momentum=args.outer_momentum),
         "easgd": lambda: sg.ElasticAveraging(period=4, timeout=t)}[args.strategy]
 strategy = make()
 torch.manual_seed(slot)
-model = nn.Sequential(nn.Linear(train[0].shape[1], args.width), nn.ReLU(),
-                      nn.Linear(args.width, 10))
+if args.model == "mlp":
+    from stratagem.demo import MLP
+
+    model: nn.Module = MLP(hidden=args.width)
+else:
+    model = nn.Sequential(nn.Linear(train[0].shape[1], args.width), nn.ReLU(),
+                          nn.Linear(args.width, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 model, opt = strategy.prepare(model, opt)
 loader = strategy.distribute_dataset(train, global_batch_size=60, seed=1)
-for epoch in itertools.count():
+ckpt = os.path.join(args.ckpt_dir, "ckpt") if args.ckpt_dir else None
+if ckpt is not None and os.path.exists(ckpt):
+    strategy.restore(ckpt, model=model, optimizer=opt, loader=loader)
+heals = 0
+for epoch in itertools.count(loader.epoch):
     loader.set_epoch(epoch)
     for xb, yb in loader:
         loss = F.cross_entropy(model(xb), yb)
@@ -69,6 +92,13 @@ for epoch in itertools.count():
             f.write(str(strategy.steps))
         with open(os.path.join(args.out, f"times.{slot}"), "a") as f:
             f.write(f"{strategy.steps} {time.time():.6f}\n")
+        c = strategy.comm
+        if getattr(c, "heals", 0) != heals:
+            heals = c.heals
+            with open(os.path.join(args.out, f"heal.{slot}"), "a") as f:
+                f.write(f"{heals} {c.last_heal_bytes} {c.heal_seconds:.6f} {time.time():.6f}\n")
+        if ckpt is not None and args.ckpt_every and strategy.steps % args.ckpt_every == 0:
+            strategy.save(ckpt, model=model, optimizer=opt, loader=loader)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if strategy.steps >= args.steps:

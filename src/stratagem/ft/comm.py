@@ -230,6 +230,7 @@ class FaultTolerantComm(Comm):
         if self.quorums == 0 and not self._joining:
             self._await_launched_replicas()
         t0 = time.perf_counter()
+        received = getattr(self.transport, "bytes_received", 0)
         self._healed = False
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.timeout))
@@ -252,6 +253,8 @@ class FaultTolerantComm(Comm):
         self.last_quorum_size = self._world
         if self._healed:
             self.heal_seconds += time.perf_counter() - t0
+            # What this heal moved (the transport's own count; 0 for one that keeps none).
+            self.last_heal_bytes = getattr(self.transport, "bytes_received", 0) - received
         if self._joining:
             self._joining = False
             if self._world == 1 and not self._healed:

@@ -261,6 +261,10 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
         self._timeout = _seconds(timeout, "timeout")
         self._max_bytes = max_bytes
         self._allow_remote = bool(allow_remote)
+        #: Bytes of heal state (tensors + JSON, headers excluded) this transport received as
+        #: a joiner / sent to joiners as a server, since it was built.
+        self.bytes_received = 0
+        self.bytes_served = 0
         self._cond = threading.Condition()
         self._payload: _Payload | None = None
         self._closed = False
@@ -413,6 +417,7 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
         tensors = _tensors_from(tensor_buf, f"{where}: tensors")
         skeleton = loads_checked(bytes(json_buf), f"{where}: JSON skeleton", strict=True)
         state = decode(tensors, skeleton, what=where)
+        self.bytes_received += n_tensors + n_json
         if not isinstance(state, dict):
             raise CheckpointError(f"{where}: the state is a {type(state).__name__}, not a dict")
         return state
@@ -495,3 +500,6 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
             _send(conn, memoryview(tensors), deadline)
         if text:
             _send(conn, memoryview(text), deadline)
+        if status == _OK:
+            with self._cond:
+                self.bytes_served += len(tensors) + len(text)

@@ -1,0 +1,162 @@
+"""One worker of the hand-written torchft baseline of ``ft_grid.py`` (issue 22, item 4c).
+
+The same work as ``tests/ft_scripts/train_ft.py --data mnist --model mlp --strategy
+mirrored``: ``stratagem.demo.MLP`` (seed 0) on MNIST-5k, SGD(lr 0.05, momentum 0.9), a global
+batch of 60 split into 4 slots' shares by the same sampler (``DistributedLoader``, seed 1; the
+batch of step ``s`` is global batch ``s``). torchft as its README and ``train_ddp.py`` use it:
+one ``torchft.Manager`` per replica group (one process each), ``ProcessGroupGloo``, the
+gradients averaged with ``manager.allreduce``, the optimizer stepped only if
+``manager.should_commit()``; a restarted replica heals from a live peer at its first quorum
+(model and optimizer state; its data position follows from the healed step, since torchft
+does not carry one: its issue #58).
+
+Heal transport: torchft's own ``HTTPTransport``, which **unpickles** what it receives
+(``torch.load(weights_only=False)``): acceptable in this benchmark on loopback only, never in
+stratagem. What listens is kept on 127.0.0.1: the HTTP server (torchft binds every
+interface; rebound here), the manager server (torchft hard-codes ``[::]``; rebound as
+stratagem does), the replica group's store. The Lighthouse is started by ``ft_grid.py``.
+
+Settings equal to stratagem's fault-tolerant mode, so the comparison is of the mechanisms,
+not of tuning: synchronous quorum, 100 ms heartbeats, the Lighthouse's 1 s join and heartbeat
+timeouts (set in ``ft_grid.py``), ``init_sync=True``.
+
+Environment: ``FTG_SLOT`` (0..3), ``FTG_LIGHTHOUSE`` (the Lighthouse's address). Writes the
+files ``train_ft.py`` writes: ``OUT/pids.<slot>``, ``times.<slot>`` (committed steps only),
+``progress.<slot>``, ``heal.<slot>``, ``acc.<slot>``, ``final.<slot>.safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from datetime import timedelta
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torchft.checkpointing.http_transport as http_transport
+import torchft.manager as tm
+from safetensors.torch import save_file
+from torchft import Manager, ProcessGroupGloo
+from torchft.checkpointing.http_transport import HTTPTransport
+
+from stratagem._rendezvous import bound_tcp_store
+from stratagem.data import DistributedLoader
+from stratagem.demo import MLP, load_mnist5k
+
+HOST = "127.0.0.1"
+NSLOTS = 4
+
+
+class _LoopbackHTTPServer(ThreadingHTTPServer):
+    """torchft's checkpoint server, on 127.0.0.1 instead of every interface."""
+
+    address_family = socket.AF_INET
+
+    def __init__(self, server_address: Any, handler: Any) -> None:
+        super().__init__((HOST, 0), handler)
+
+
+class LoopbackHTTPTransport(HTTPTransport):  # type: ignore[type-arg]
+    def address(self) -> str:
+        return f"http://{HOST}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--width", type=int, default=64)
+    args = p.parse_args()
+    slot = int(os.environ["FTG_SLOT"])
+    out = args.out
+    with open(os.path.join(out, f"pids.{slot}"), "a") as f:
+        f.write(f"{os.getpid()}\n")
+
+    train, test = load_mnist5k()
+    torch.manual_seed(0)
+    model = MLP(hidden=args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DistributedLoader(train, 60, num_replicas=NSLOTS, replica_id=slot, seed=1)
+    per_epoch = len(loader)
+    cache: dict[int, list[Any]] = {}
+
+    def batch(step: int) -> Any:
+        epoch = step // per_epoch
+        if epoch not in cache:
+            cache.clear()
+            loader.set_epoch(epoch)
+            cache[epoch] = list(loader)
+        return cache[epoch][step % per_epoch]
+
+    healed: list[int] = []
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        tensors = list(sd["model"].values()) + [
+            v for st in sd["optim"]["state"].values() for v in st.values()
+            if isinstance(v, torch.Tensor)]
+        healed.append(sum(t.numel() * t.element_size() for t in tensors))
+
+    timeout = timedelta(seconds=args.timeout)
+    store = bound_tcp_store(HOST, 0, timeout=timedelta(seconds=60))
+    pg = ProcessGroupGloo(timeout=timeout)
+    original_server = tm.ManagerServer
+    http_transport._IPv6HTTPServer = _LoopbackHTTPServer  # type: ignore[misc]
+    tm.ManagerServer = lambda **kw: original_server(**{**kw, "bind": f"{HOST}:0"})  # type: ignore[misc]
+    try:
+        manager = Manager(
+            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
+            connect_timeout=timedelta(seconds=max(args.timeout, 10.0)), rank=0, world_size=1,
+            store_addr=HOST, store_port=store.port, lighthouse_addr=os.environ["FTG_LIGHTHOUSE"],
+            replica_id=f"slot{slot}", hostname=HOST,
+            heartbeat_interval=timedelta(milliseconds=100),
+            checkpoint_transport=LoopbackHTTPTransport(timeout=timeout, num_chunks=0),
+            init_sync=True)
+    finally:
+        tm.ManagerServer = original_server  # type: ignore[misc]
+    heal_seconds = 0.0
+    while manager.current_step() < args.steps:
+        t0 = time.perf_counter()
+        n_heals = len(healed)
+        opt.zero_grad()
+        manager.start_quorum()
+        if len(healed) != n_heals:
+            heal_seconds += time.perf_counter() - t0
+            with open(os.path.join(out, f"heal.{slot}"), "a") as f:
+                f.write(f"{len(healed)} {healed[-1]} {heal_seconds:.6f} {time.time():.6f}\n")
+        xb, yb = batch(manager.current_step())
+        F.cross_entropy(model(xb), yb).backward()
+        works = [manager.allreduce(q.grad) for q in model.parameters() if q.grad is not None]
+        for w in works:
+            w.wait()
+        if manager.should_commit():
+            opt.step()
+            step = manager.current_step()
+            with open(os.path.join(out, f"progress.{slot}"), "w") as f:
+                f.write(str(step))
+            with open(os.path.join(out, f"times.{slot}"), "a") as f:
+                f.write(f"{step} {time.time():.6f}\n")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    with torch.no_grad():
+        acc = (model(test[0]).argmax(1) == test[1]).float().mean().item()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              os.path.join(out, f"final.{slot}.safetensors"))
+    with open(os.path.join(out, f"acc.{slot}"), "w") as f:
+        f.write(f"{acc}\n{manager.current_step()}\ntorchft heals={len(healed)}\n")
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()
