@@ -40,12 +40,13 @@ import torch.nn.functional as F
 import torchft.checkpointing.http_transport as http_transport
 import torchft.manager as tm
 from safetensors.torch import save_file
-from torchft import Manager, ProcessGroupGloo
+from torchft import Manager
 from torchft.checkpointing.http_transport import HTTPTransport
 
 from stratagem._rendezvous import bound_tcp_store
 from stratagem.data import DistributedLoader
 from stratagem.demo import MLP, load_mnist5k
+from stratagem.ft.comm import loopback_gloo_group
 
 HOST = "127.0.0.1"
 NSLOTS = 4
@@ -109,7 +110,9 @@ def main() -> None:
 
     timeout = timedelta(seconds=args.timeout)
     store = bound_tcp_store(HOST, 0, timeout=timedelta(seconds=60))
-    pg = ProcessGroupGloo(timeout=timeout)
+    # torchft's group with its rendezvous store bound to loopback (torchft's own listens on
+    # every interface): the one change this baseline makes to torchft's group.
+    pg = loopback_gloo_group(timeout, HOST)
     original_server = tm.ManagerServer
     http_transport._IPv6HTTPServer = _LoopbackHTTPServer  # type: ignore[misc]
     tm.ManagerServer = lambda **kw: original_server(**{**kw, "bind": f"{HOST}:0"})  # type: ignore[misc]

@@ -405,3 +405,35 @@ def test_rank0_store_from_env_binds_master_addr_only(monkeypatch):
     with pytest.raises(OSError, match="192.0.2.1") as info:
         Comm.from_env(timeout=5)
     assert info.value.errno == errno.EADDRNOTAVAIL
+
+
+def _ft_replica_listeners(comm: Any) -> list[tuple[str, int]]:
+    """A fault-tolerant replica (a thread) takes two Mirrored steps, then reports every TCP
+    socket this process listens on (the test's own, every replica's: one process)."""
+    import torch
+
+    import stratagem as sg
+
+    strategy = sg.Mirrored(comm=comm)
+    model = torch.nn.Linear(4, 2)
+    model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(2):
+        strategy.backward(model(torch.ones(3, 4)).sum())
+        opt.step()
+        opt.zero_grad()
+    return _listeners({os.getpid()}).get(os.getpid(), [])
+
+
+@pytest.mark.timeout(120)
+def test_fault_tolerant_replicas_listen_on_loopback_only() -> None:
+    # Issue 22: torchft's reconfigurable group hosts its rendezvous store with torch's
+    # TCPStore(host_name=<host name>, is_master=True), which listens on every interface;
+    # stratagem's group (stratagem.ft.comm.loopback_gloo_group) binds it to loopback.
+    pytest.importorskip("torchft")
+    from stratagem.testing.ft import run_replicas
+
+    results = run_replicas(_ft_replica_listeners, 2)
+    seen = {addr for r in results for addr in r}
+    assert seen, "no listening socket found: the check saw nothing"
+    exposed = sorted(a for a in seen if not is_loopback(a[0]))
+    assert not exposed, exposed

@@ -52,7 +52,7 @@ from .._rendezvous import bound_tcp_store
 from ..comm import Comm
 from ..errors import PeerTimeoutError, StratagemError
 
-__all__ = ["FaultTolerantComm", "QuorumError", "require_torchft"]
+__all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "require_torchft"]
 
 #: Serialises the construction of managers (the manager-server rebinding patches a module
 #: attribute; tests build several managers at once in threads).
@@ -103,6 +103,31 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def loopback_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
+    """torchft's reconfigurable gloo group with its rendezvous store on ``host`` only.
+
+    torchft's ``get_reconfigure_handle`` hosts that store as ``TCPStore(host_name=
+    socket.gethostname(), is_master=True)``: torch's master store listens on every interface
+    whatever the host name (an unauthenticated key-value store any machine on the network
+    could write new group handles into), and its peers are told the host name, which need
+    not resolve to loopback. This group hosts it with
+    :func:`~stratagem._rendezvous.bound_tcp_store` on ``host`` and advertises ``host``."""
+    import json
+
+    from torchft import ProcessGroupGloo
+
+    class _BoundGloo(ProcessGroupGloo):  # type: ignore[misc]
+        def get_reconfigure_handle(self) -> str:
+            if getattr(self, "_rendezvous_store", None) is None:
+                self._rendezvous_store = bound_tcp_store(
+                    host, 0, timeout=timedelta(seconds=max(timeout.total_seconds(), 30.0)))
+            handle = json.loads(super().get_reconfigure_handle())
+            handle["store"] = f"{_bracket(host)}:{self._rendezvous_store.port}"
+            return json.dumps(handle)
+
+    return _BoundGloo(timeout=timeout)
+
+
 class FaultTolerantComm(Comm):
     """A Comm over the live replicas of a fault-tolerant job (see the module docstring).
 
@@ -128,7 +153,7 @@ class FaultTolerantComm(Comm):
                  transport: Any = None, max_heal_bytes: int = 64 << 30,
                  allow_remote: bool = False, joining: bool = False) -> None:
         require_torchft()
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
 
         self._slot = slot
         self._num_slots = num_slots
@@ -154,7 +179,7 @@ class FaultTolerantComm(Comm):
         # The replica group's own store (size-1 groups): peers read the quorum's process-group
         # addresses from the store of the quorum's first member.
         self._store = bound_tcp_store(host, 0, timeout=timedelta(seconds=max(timeout, 30.0)))
-        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=timeout))
+        self._pg = loopback_gloo_group(timedelta(seconds=timeout), host)
         if transport is None:
             from .transport import SafeHealTransport
 
