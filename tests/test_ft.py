@@ -9,6 +9,7 @@ as a killed process's would be).
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -198,18 +199,36 @@ def test_keep_global_batch_trains_on_a_missing_replicas_share():
     assert len({(r[4]["epoch"], r[4]["step_in_epoch"]) for r in kept[:3]}) == 1
 
 
-def test_keep_global_batch_through_a_kill():
+@pytest.mark.parametrize("restart", [False, True])
+def test_keep_global_batch_through_a_kill(restart):
     # The adoption follows the quorum: a survivor takes the dead replica's share from the
-    # quorum without it on, and gives it back when the replacement has healed. (A replica
-    # lost for good, restart=False, is not tested here: the survivors then fail to form a
-    # quorum in about half the runs, with or without keep_global_batch; docs/reliability.md.)
+    # quorum without it on, and gives it back when a replacement has healed (restart).
     keep = lambda comm: sg.Mirrored(comm=comm, keep_global_batch=True)  # noqa: E731
-    faults = ReplicaFaults().fail_at(1, 4)
+    faults = ReplicaFaults().fail_at(1, 4, restart=restart)
     results = run_replicas(_train, 3, args=(keep, 12, faults), faults=faults)
     live = [r for r in results if r is not None]
     _assert_equal(live)
     assert all(r[1] == 12 for r in live)
     assert len({(r[4]["epoch"], r[4]["step_in_epoch"]) for r in live}) == 1
+
+
+@pytest.mark.parametrize("name", ["mirrored", "diloco"])
+def test_a_replica_lost_for_good_leaves_the_others_training_without_waiting_out_timeout(name):
+    # Slot 1 of 3 dies for good at step 4 (no replacement). In gloo's ring only the dead
+    # replica's neighbours see the reset connection; the third survivor is left waiting in
+    # the collective for a peer that gave up. The replica that saw the failure closes its
+    # connections of that quorum before the commit vote, so the other fails at once too and
+    # both form the next quorum together, long before the 20 s timeout (before, the one
+    # left waiting arrived only after it, and the next quorum could time out first).
+    faults = ReplicaFaults().fail_at(1, 4, restart=False)
+    t0 = time.perf_counter()
+    results = run_replicas(_train, 3, args=(STRATEGIES[name], 12, faults), faults=faults,
+                           timeout=20.0)
+    elapsed = time.perf_counter() - t0
+    live = [results[0], results[2]]
+    _assert_equal(live)
+    assert all(r[1] == 12 for r in live)
+    assert elapsed < 15.0, f"the survivors waited out the timeout: {elapsed:.1f}s"
 
 
 def test_keep_global_batch_needs_fault_tolerance_and_a_gradient_mean():

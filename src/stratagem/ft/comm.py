@@ -319,6 +319,8 @@ class FaultTolerantComm(Comm):
         if not self._open:
             return True
         self._open = False
+        if self._error is not None:
+            self._drop_group()
         try:
             ok = bool(self.manager.should_commit(timeout=timedelta(seconds=self.timeout)))
         except Exception as exc:  # noqa: BLE001 - a peer died during the commit vote
@@ -327,6 +329,18 @@ class FaultTolerantComm(Comm):
         if not ok:
             self.failed_steps += 1
         return ok
+
+    def _drop_group(self) -> None:
+        """Close this replica's connections of a quorum whose step failed, before the commit
+        vote, so a peer still waiting in a collective with us fails at once instead of after
+        ``timeout``: gloo notices a peer that left a collective only when its sockets close,
+        and a survivor that was not talking to the dead replica would otherwise wait out the
+        whole timeout while the others ask for the next quorum without it. Nothing is lost:
+        a replica that reported an error makes the Lighthouse bump the quorum id, and the
+        next quorum rebuilds every member's group. Done here, on the training thread, after
+        every collective of the step has completed (no worker thread of the group is busy)."""
+        with contextlib.suppress(Exception):
+            self._pg.abort(errored=False)
 
     @property
     def in_transaction(self) -> bool:
