@@ -136,3 +136,45 @@ def test_a_heal_during_an_iteration_moves_it_to_the_peers_position(dataset):
     assert list(loader) == []  # an epoch the peers have finished
     loader.set_epoch(2)
     assert [ids(b) for b in loader] == later[1:]
+
+
+@pytest.mark.parametrize("dataset", ["tensors", "map-style"])
+def test_adopted_slots_yield_their_shares_right_after_this_replicas_own(dataset, monkeypatch):
+    # keep_global_batch: from the next step on, replica 0 also yields slot 2's share of each
+    # global batch (slot 2's own loader's batches, in order), adoption can start mid-epoch,
+    # follows a heal's jump, and stops with adopt(()). One loader per adopted slot while the
+    # steps are consecutive (the DataLoader path used to build one per adopted batch).
+    data = (torch.arange(40),) if dataset == "tensors" else _Rows()
+
+    def ids(batch):
+        return (batch[0] if isinstance(batch, (tuple, list)) else batch).flatten().tolist()
+
+    def loader(r):
+        return DistributedLoader(data, 12, num_replicas=3, replica_id=r, shuffle=True, seed=4)
+
+    own, theirs = [ids(b) for b in loader(0)], [ids(b) for b in loader(2)]
+    assert len(own) == 4
+    me = loader(0)
+    built = []
+    original = DistributedLoader._batches_from
+
+    def counting(self, batches, start):
+        built.append(start)
+        return original(self, batches, start)
+
+    monkeypatch.setattr(DistributedLoader, "_batches_from", counting)
+    it = iter(me)
+    assert ids(next(it)) == own[0]
+    me.adopt([2])
+    # Adopted during step 0 (the quorum of a step is formed after its batch was drawn):
+    # slot 2's share of that same step comes next.
+    assert [ids(next(it)) for _ in range(5)] == [theirs[0], own[1], theirs[1], own[2],
+                                                 theirs[2]]
+    assert built == [0, 0]  # this replica's feed, then one for slot 2, kept
+    me.fast_forward({"epoch": 0, "step_in_epoch": 1})  # a heal moves the position back
+    assert [ids(b) for b in it] == [own[1], theirs[1], own[2], theirs[2], own[3], theirs[3]]
+    assert built == [0, 0, 1, 1]
+    me.adopt(())
+    assert [ids(b) for b in me] == own
+    with pytest.raises(ValueError, match=r"distinct places other than this replica's \(0\)"):
+        me.adopt([0])

@@ -199,6 +199,9 @@ class DistributedLoader:
         perm = self._permutation()
         batches = self._index_batches(perm=perm)
         others: dict[int, list[torch.Tensor]] = {}  # adopted slots' shares, this epoch
+        # One loader per adopted slot, kept while it yields consecutive steps (a new one
+        # only when adoption starts or the position jumps after a heal).
+        feeds: dict[int, tuple[Iterator[Any], int]] = {}
         step = self._start_step
         self.step_in_epoch = step
         self._start_step = 0
@@ -213,7 +216,11 @@ class DistributedLoader:
                 for k in self._adopted:  # keep_global_batch: a missing replica's share
                     if k not in others:
                         others[k] = self._index_batches(k, perm)
-                    yield next(self._batches_from(others[k], step - 1))
+                    feed, at = feeds.get(k, (None, -1))
+                    if feed is None or at != step - 1:
+                        feed = self._batches_from(others[k], step - 1)
+                    feeds[k] = (feed, step)
+                    yield next(feed)
             else:
                 return
             assert self._resume_at is not None

@@ -384,7 +384,6 @@ class _Spare:
             self.proc.start()
         assign_r.close()
         result_w.close()
-        self.started = time.monotonic()
 
     def take(self, fn: Callable[..., Any], args: tuple[Any, ...], env: Mapping[str, str]
              ) -> tuple[BaseProcess, Connection] | None:

@@ -22,7 +22,7 @@ from .tensors import dtype_groups, gather_ranks, load_rank, synced_tensors
 if TYPE_CHECKING:
     from ..strategy import Prepared
 
-__all__ = ["ElasticExchange", "elastic_exchange_", "load_center", "make_center"]
+__all__ = ["ElasticExchange", "center_state", "elastic_exchange_", "load_center", "make_center"]
 
 
 def make_center(tensors: Sequence[torch.Tensor], groups: list[list[int]]
@@ -76,6 +76,11 @@ def load_center(names: Sequence[str], center: Sequence[torch.Tensor],
     with torch.no_grad():
         for n, c in zip(names, center, strict=True):
             c.copy_(saved[n])
+
+
+def center_state(names: Sequence[str], center: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The center under the model's own names (what a heal sends; :func:`load_center`)."""
+    return {n: c.detach() for n, c in zip(names, center, strict=True)}
 
 
 class _ElasticPartState:
@@ -155,7 +160,7 @@ class ElasticExchange(Part):
 
     def heal_state(self, prepared: Prepared) -> dict[str, Any]:
         st = self._state(prepared)
-        return {"center": {n: c.detach() for n, c in zip(st.names, st.center, strict=True)},
+        return {"center": center_state(st.names, st.center),
                 "exchanged_at": st.exchanged_at, "exchanges": self.exchanges}
 
     def load_heal_state(self, prepared: Prepared, state: dict[str, Any]) -> None:

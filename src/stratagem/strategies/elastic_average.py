@@ -31,7 +31,7 @@ from ..comm import Comm
 from ..comm import flatten as _flatten
 from ..comm import views as _views
 from ..parts import ElasticExchange, Part
-from ..parts.elastic import elastic_exchange_, load_center, make_center
+from ..parts.elastic import center_state, elastic_exchange_, load_center, make_center
 from ..parts.tensors import dtype_groups as _dtype_groups
 from ..parts.tensors import gather_ranks as _gather_ranks
 from ..parts.tensors import load_rank as _load_rank
@@ -489,9 +489,9 @@ class ElasticAveraging(Strategy):
         st: _ElasticState = prepared.state["easgd"]
         momentum = {n: st.momentum[id(p)] for n, p in prepared.module.named_parameters()
                     if id(p) in st.momentum}
-        return {"center": {n: c.detach() for n, c in zip(st.names, st.center, strict=True)},
-                "momentum": momentum, "exchanged_at": st.exchanged_at,
-                "exchanges": self._exchanges, "moving_rate": self.moving_rate}
+        return {"center": center_state(st.names, st.center), "momentum": momentum,
+                "exchanged_at": st.exchanged_at, "exchanges": self._exchanges,
+                "moving_rate": self.moving_rate}
 
     def _load_heal_extra(self, prepared: Prepared, state: dict[str, Any]) -> None:
         st: _ElasticState = prepared.state["easgd"]
