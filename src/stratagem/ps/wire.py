@@ -21,6 +21,13 @@ schema, dtype allow-list, ``prod(shape) * itemsize == nbytes``, bounds, counts) 
 tensor is materialised, and tensors are zero-copy views (``torch.frombuffer``) of the received
 ``bytes``. A malformed message raises :class:`WireError` carrying the gRPC status the server
 answers with (``INVALID_ARGUMENT`` or ``RESOURCE_EXHAUSTED``).
+
+A request longer than :data:`REQUEST_CHUNK_BYTES` travels as a client stream of chunks of at
+most that size (the same bytes, cut), with its total length declared in the call's metadata
+(:data:`SIZE_METADATA_KEY`); a shorter one is one gRPC message, as before. The shard caps one
+gRPC message at :data:`REQUEST_CHUNK_BYTES`, so it can admit a big request by its declared size
+before a byte of it is received (see :class:`stratagem.ps.server.ShardServer`). Replies stay
+one message.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +50,9 @@ __all__ = [
     "FORMAT_VERSION",
     "METHOD",
     "TOKEN_METADATA_KEY",
+    "SIZE_METADATA_KEY",
+    "REQUEST_CHUNK_BYTES",
+    "request_chunks",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DTYPES",
     "Limits",
@@ -61,6 +71,15 @@ FORMAT_VERSION = 1
 #: The single gRPC method every operation goes through (the op is named in the header).
 METHOD = "/stratagem.ps.v1.Shard/Call"
 TOKEN_METADATA_KEY = "x-stratagem-token"
+#: The metadata key that declares a chunked request's total length (decimal bytes).
+SIZE_METADATA_KEY = "x-stratagem-request-bytes"
+#: The largest gRPC message a shard receives: longer requests are sent as chunks of this size.
+#: Why chunks: grpcio (1.85) turns a received message into ``bytes`` through two more copies
+#: (its slices, then per-slice ``bytes``, then their join), so one 12 MiB message peaks at
+#: +36 MiB in the receiving process, and the shard cannot see a message's size before gRPC has
+#: received all of it. Chunks cost one chunk's copies at a time, are written into a buffer of
+#: the declared size, and let the shard bound what it receives before receiving it.
+REQUEST_CHUNK_BYTES = 256 << 10
 #: gRPC caps a message at 2 GiB - 1; 1 GiB leaves room and is far above a typical shard slice.
 DEFAULT_MAX_MESSAGE_BYTES = flags.DEFAULT_MAX_MESSAGE_BYTES
 
@@ -148,6 +167,13 @@ class Message:
 
     def versions(self) -> dict[str, int]:
         return {e.name: e.version for e in self.entries if e.version is not None}
+
+
+def request_chunks(data: bytes) -> Iterator[bytes]:
+    """``data`` cut into the chunks of a chunked request (see :data:`REQUEST_CHUNK_BYTES`)."""
+    view = memoryview(data)
+    for start in range(0, len(data), REQUEST_CHUNK_BYTES):
+        yield bytes(view[start:start + REQUEST_CHUNK_BYTES])
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -261,7 +287,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def decode(data: bytes, limits: Limits | None = None) -> Message:
+def decode(data: bytes | bytearray, limits: Limits | None = None) -> Message:
     """Validate and decode one message; raises :class:`WireError` on anything malformed."""
     lim = limits or Limits()
     size = len(data)
