@@ -328,10 +328,11 @@ class ShardServer:
                 # No BDP probing: with it gRPC grows every stream's receive window towards
                 # the measured bandwidth-delay product (megabytes on loopback), so each call
                 # waiting to be admitted had megabytes of its body received and held by gRPC
-                # anyway. Without it a waiting call holds one initial window (64 KiB); an
-                # admitted call's window still opens to the message being read. Measured with
-                # a bare grpc.aio server reading 8 concurrent 12 MiB bodies one at a time:
-                # +74-107 MiB with probing, +54 MiB without.
+                # anyway (8 concurrent 12 MiB registers, 64 MiB quota: peak 1.75x the quota
+                # with probing, 1.20x without). Without it a waiting call holds one 64 KiB
+                # window. Cost: loopback push+pull throughput fell (see docs/reliability.md);
+                # a lookahead of a chunk (grpc.http2.lookahead_bytes) won some of it back but
+                # peaked at 1.45x in 2 of 10 runs.
                 ("grpc.http2.bdp_probe", 0),
                 # so_reuseport=0: a second shard on the same fixed port must fail, not share it.
                 ("grpc.so_reuseport", 0),
