@@ -409,11 +409,16 @@ def test_concurrent_registers_keep_to_the_quota_without_a_copy(procs) -> None:
         assert torch.equal(got[n], torch.full((3 * MiB,), float(n[3:])))
     print(f"concurrent registers: {ok} x 12 MiB registered, peak +{peak / MiB:.0f} MiB "
           f"against a 64 MiB quota ({peak / (64 * MiB):.2f}x)")
-    # Measured 1.20x in 8 of 10 runs (+77 MiB: the quota's 60 MiB kept, one 12 MiB request
-    # being received or refused, ~5 MiB of gRPC), 1.39x in 2 (one more request's buffer not yet
-    # reused); 1.9-2.9x before requests were chunked and admitted by their declared size: see
-    # "Peak shard memory under concurrent big requests" in docs/reliability.md.
-    assert peak <= 1.45 * 64 * MiB, f"peak +{peak / MiB:.0f} MiB ({peak / (64 * MiB):.2f}x)"
+    # The three that cannot fit are refused by their header, after one chunk, so they cost
+    # (and hold) no 12 MiB buffer: admitted one at a time, each sees the quota already taken.
+    refused = [d for d in details if d]
+    assert len(refused) == 3 and all("before its tensors were received" in d
+                                     for d in refused), refused
+    # Measured 1.11-1.14x (+71-73 MiB: the 60 MiB kept, about 8 MiB of gRPC buffers while
+    # 1 MiB chunks arrive, the good client); 1.9-2.9x before requests were chunked, admitted
+    # by their declared size and refused by their header: see "Peak shard memory under
+    # concurrent big requests" in docs/reliability.md.
+    assert peak <= 1.25 * 64 * MiB, f"peak +{peak / MiB:.0f} MiB ({peak / (64 * MiB):.2f}x)"
 
 
 def test_request_bytes_in_flight_are_bounded(procs) -> None:

@@ -328,11 +328,10 @@ class ShardServer:
                 # No BDP probing: with it gRPC grows every stream's receive window towards
                 # the measured bandwidth-delay product (megabytes on loopback), so each call
                 # waiting to be admitted had megabytes of its body received and held by gRPC
-                # anyway (8 concurrent 12 MiB registers, 64 MiB quota: peak 1.75x the quota
-                # with probing, 1.20x without). Without it a waiting call holds one 64 KiB
-                # window. Cost: loopback push+pull throughput fell (see docs/reliability.md);
-                # a lookahead of a chunk (grpc.http2.lookahead_bytes) won some of it back but
-                # peaked at 1.45x in 2 of 10 runs.
+                # anyway (8 concurrent 12 MiB registers, 64 MiB quota, 1 MiB chunks: peak
+                # 1.78-1.83x the quota with probing, 1.11-1.14x without). Without it a waiting
+                # call holds one 64 KiB window. Loopback push+pull throughput without it was
+                # the same as with it, within the benchmark's noise (docs/reliability.md).
                 ("grpc.http2.bdp_probe", 0),
                 # so_reuseport=0: a second shard on the same fixed port must fail, not share it.
                 ("grpc.so_reuseport", 0),
@@ -546,8 +545,14 @@ class ShardServer:
 
     async def _receive(self, context: grpc.aio.ServicerContext, declared: int
                        ) -> bytearray | _Abort:
-        """A chunked request's bytes, written into a buffer of its declared size."""
-        buf = bytearray(declared)
+        """A chunked request's bytes, written into a buffer of its declared size.
+
+        Its header is checked as soon as it has arrived (:meth:`_check_header`), and only then
+        is the buffer allocated: a request that is malformed, or a registration that cannot
+        fit the quota, is refused after its first chunk, having cost that chunk, not its
+        declared size."""
+        head = bytearray()  # what arrived before the header could be checked
+        buf: bytearray | None = None
         got = 0
         while True:
             chunk = await context.read()
@@ -559,14 +564,66 @@ class ShardServer:
                 return _Abort("INVALID_ARGUMENT",
                               f"the request carries more than the {declared} bytes its "
                               f"{wire.SIZE_METADATA_KEY!r} metadata declares")
-            buf[got:got + len(chunk)] = chunk
+            if buf is not None:
+                buf[got:got + len(chunk)] = chunk
+                got += len(chunk)
+                del chunk
+                continue
+            head += chunk  # amortised: many tiny chunks cost no quadratic copying
             got += len(chunk)
             del chunk
-        if got != declared:
+            head_end = wire.frame_length(head)
+            if head_end is None or (got < min(head_end, declared)
+                                    and head_end - 12 <= self.limits.max_header_bytes):
+                continue  # the header has not all arrived yet
+            refused = await self._check_header(head, head_end)
+            if refused is not None:
+                return refused
+            buf = bytearray(declared)
+            buf[:got] = head
+            head = bytearray()
+        if got != declared or buf is None:
             return _Abort("INVALID_ARGUMENT",
                           f"the request ended after {got} of the {declared} bytes its "
                           f"{wire.SIZE_METADATA_KEY!r} metadata declares")
         return buf
+
+    async def _check_header(self, head: bytearray, head_end: int) -> _Abort | None:
+        """Refuse a chunked request by its header, before the rest of it is received: a
+        malformed header or unknown op, or a ``register`` whose new tensors alone (their
+        declared bytes plus the per-slot overhead, a lower bound of what registering them
+        charges) would pass ``max_bytes``. The quota is checked again, exactly, when the
+        request is served; this check only spares receiving (and holding) a request that
+        cannot fit. A long header is parsed on a tensor thread, not the loop."""
+        try:
+            if head_end - 12 <= _INLINE_HEADER_BYTES:
+                op, _, metas = wire.decode_header(head, self.limits)
+            else:
+                op, _, metas = await self._offload(wire.decode_header, head, self.limits)
+        except WireError as exc:
+            return _Abort(exc.status, str(exc))
+        if op not in self._ops and op != "wait_version":
+            return _Abort("INVALID_ARGUMENT", f"unknown op {op!r}; valid: "
+                          f"{sorted([*self._ops, 'wait_version'])}")
+        if op != "register":
+            return None
+        new: dict[str, int] = {}
+        for m in metas:  # claims, checked when the request is decoded: count only sane ones
+            if not isinstance(m, dict):
+                continue
+            name, nbytes = m.get("name"), m.get("nbytes")
+            if (isinstance(name, str) and isinstance(nbytes, int) and nbytes >= 0
+                    and name not in self._slots):
+                new[name] = max(new.get(name, 0), int(nbytes) + rules.SLOT_OVERHEAD_BYTES)
+        adding, charged = sum(new.values()), self._charged
+        if charged + adding <= self.max_bytes:
+            return None
+        return _Abort("RESOURCE_EXHAUSTED",
+                      f"register: the request's {len(new)} new tensors need at least {adding} "
+                      f"bytes, and shard {self.address} holds {charged} of its quota "
+                      f"max_bytes={self.max_bytes} (refused from the request's header, before "
+                      "its tensors were received). Fix: use more shards, or start the shard "
+                      "with a larger --max-bytes")
 
     async def _serve_body(self, request: bytes | bytearray, context: grpc.aio.ServicerContext
                           ) -> bytes | _Abort:

@@ -53,6 +53,8 @@ __all__ = [
     "SIZE_METADATA_KEY",
     "REQUEST_CHUNK_BYTES",
     "request_chunks",
+    "frame_length",
+    "decode_header",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DTYPES",
     "Limits",
@@ -79,7 +81,11 @@ SIZE_METADATA_KEY = "x-stratagem-request-bytes"
 #: +36 MiB in the receiving process, and the shard cannot see a message's size before gRPC has
 #: received all of it. Chunks cost one chunk's copies at a time, are written into a buffer of
 #: the declared size, and let the shard bound what it receives before receiving it.
-REQUEST_CHUNK_BYTES = 256 << 10
+#: Why 1 MiB: loopback push+pull of an 8 MB step (benchmarks/ps_throughput.py) lost about a
+#: third of its throughput with 256 KiB chunks (the per-chunk round trip through gRPC and the
+#: event loop) and nothing measurable with 1 MiB; a shard holds about 8 MiB of gRPC buffers
+#: while it receives 1 MiB chunks (2.5 MiB with 256 KiB), within the 1.25x quota bound.
+REQUEST_CHUNK_BYTES = 1 << 20
 #: gRPC caps a message at 2 GiB - 1; 1 GiB leaves room and is far above a typical shard slice.
 DEFAULT_MAX_MESSAGE_BYTES = flags.DEFAULT_MAX_MESSAGE_BYTES
 
@@ -287,13 +293,28 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def decode(data: bytes | bytearray, limits: Limits | None = None) -> Message:
-    """Validate and decode one message; raises :class:`WireError` on anything malformed."""
-    lim = limits or Limits()
+def frame_length(first: bytes | bytearray | memoryview) -> int | None:
+    """The length of a message's frame prefix plus JSON header, read from its first bytes
+    (None while fewer than the prefix's 12 bytes are there). Nothing is checked here:
+    :func:`decode_header` checks the prefix and the header."""
+    if len(first) < _PREFIX.size:
+        return None
+    return _PREFIX.size + int.from_bytes(first[8:12], "little")
+
+
+def decode_header(data: bytes | bytearray, limits: Limits | None = None
+                  ) -> tuple[str, dict[str, Any], list[Any]]:
+    """The op, fields and (unchecked) tensor entries of a message's header, read from its
+    first :func:`frame_length` bytes or more: what a receiver can refuse a message by before
+    the rest of it (the tensors' bytes) has arrived. Checks the prefix and the header as
+    :func:`decode` does (raises :class:`WireError`); the entries are checked by :func:`decode`
+    only, so a caller may use them as claims, not facts."""
+    op, fields, metas, _ = _header(data, limits or Limits())
+    return op, fields, metas
+
+
+def _header(data: bytes | bytearray, lim: Limits) -> tuple[str, dict[str, Any], list[Any], int]:
     size = len(data)
-    if size > lim.max_message_bytes:
-        raise WireError(f"message of {size} bytes exceeds max_message_bytes="
-                        f"{lim.max_message_bytes}", status="RESOURCE_EXHAUSTED")
     if size < _PREFIX.size:
         raise WireError(f"message of {size} bytes is shorter than the {_PREFIX.size}-byte frame "
                         "prefix; not a stratagem parameter-server message")
@@ -338,6 +359,17 @@ def decode(data: bytes | bytearray, limits: Limits | None = None) -> Message:
     if len(metas) > lim.max_tensors:
         raise WireError(f"{len(metas)} tensors exceed max_tensors={lim.max_tensors}",
                         status="RESOURCE_EXHAUSTED")
+    return op, fields, metas, head_end
+
+
+def decode(data: bytes | bytearray, limits: Limits | None = None) -> Message:
+    """Validate and decode one message; raises :class:`WireError` on anything malformed."""
+    lim = limits or Limits()
+    size = len(data)
+    if size > lim.max_message_bytes:
+        raise WireError(f"message of {size} bytes exceeds max_message_bytes="
+                        f"{lim.max_message_bytes}", status="RESOURCE_EXHAUSTED")
+    op, fields, metas, head_end = _header(data, lim)
     payload_start = _align(head_end)
     payload_len = size - payload_start
     checked: list[tuple[str, torch.dtype, list[int], int, int, int | None]] = []
