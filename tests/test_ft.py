@@ -64,7 +64,8 @@ def _train(comm, make, steps, faults, width=32):
         if strategy.steps >= steps:
             break
     strategy.finalize(model)
-    module = strategy.unwrap(model)
+    # The consensus (EASGD: the center, replicated bitwise) and, per replica, the rest.
+    module = strategy.eval_model(model)
     return ({k: v.detach().clone() for k, v in module.state_dict().items()},
             strategy.steps, comm.heals, comm.failed_steps, dict(loader.state_dict()))
 
@@ -75,6 +76,10 @@ STRATEGIES = {
     "diloco": lambda comm: sg.DiLoCo(comm=comm, period=4, fragments=2),
     # The quantized all-reduce (issue 24) on the fault-tolerant Comm: one mechanism for both.
     "diloco_int8": lambda comm: sg.DiLoCo(comm=comm, period=4, compression="int8"),
+    # Sync EASGD: the exchange is one transaction; a joiner gets the center, the schedule and
+    # the moving rate (fixed from the launched slots, not the quorum of the moment).
+    "easgd": lambda comm: sg.ElasticAveraging(comm=comm, period=3),
+    "eamsgd": lambda comm: sg.ElasticAveraging(comm=comm, period=3, momentum=0.5),
 }
 
 
@@ -85,6 +90,7 @@ def _assert_equal(results):
             assert torch.equal(first[k], state[k]), k
 
 
+@pytest.mark.filterwarnings("ignore:EAMSGD")  # EAMSGD over SGD with momentum: fine here
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_a_killed_replica_is_restarted_and_healed_bitwise(name):
     faults = ReplicaFaults().fail_at(1, 6)
@@ -151,11 +157,62 @@ def test_a_quorum_below_min_replicas_fails_after_timeout_naming_the_missing_repl
     assert info.value.missing == (1,)
 
 
+def test_a_failed_elastic_exchange_changes_nothing_and_the_centers_end_equal():
+    faults = ReplicaFaults().fail_collective(2, 3)  # the first exchange (period 3)
+    results = run_replicas(_train, 3, args=(STRATEGIES["easgd"], 12, faults), faults=faults)
+    _assert_equal(results)
+    assert results[2][3] == 1
+
+
 @pytest.mark.parametrize("make", [lambda: sg.Sharded(fault_tolerant=True),
-                                  lambda: sg.ElasticAveraging(fault_tolerant=True),
+                                  lambda: sg.ElasticAveraging(rho=0.1, fault_tolerant=True),
                                   lambda: sg.Hierarchical(inner=sg.Mirrored(),
                                                           outer=sg.DiLoCo(),
                                                           fault_tolerant=True)])
 def test_strategies_without_fault_tolerance_say_so(make):
     with pytest.raises(ValueError, match="cannot run fault tolerant yet.*Mirrored, LocalSGD"):
         make()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_keep_global_batch_trains_on_a_missing_replicas_share():
+    # Slot 3 of 4 is missing for the whole run. With keep_global_batch the three live
+    # replicas train on its share too (slot 0 adopts it, as one more micro-batch, and every
+    # loss is weighted so the mean over 3 replicas is the mean over 4 shares): the result is
+    # the fault-free 4-replica run's up to float rounding. Without it, slot 3's samples are
+    # lost and the model is another one.
+    keep = lambda comm: sg.Mirrored(comm=comm, keep_global_batch=True)  # noqa: E731
+    full = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None))
+    kept = run_replicas(_train, 4, args=(keep, 8, None), absent=(3,))
+    lost = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None), absent=(3,))
+    _assert_equal(full)
+    _assert_equal(kept[:3])
+    _assert_equal(lost[:3])
+    close = _max_diff(kept[0][0], full[0][0])
+    assert close < 1e-5, close
+    assert _max_diff(lost[0][0], full[0][0]) > 100 * max(close, 1e-7)
+    assert all(r[1] == 8 for r in kept[:3])
+    assert len({(r[4]["epoch"], r[4]["step_in_epoch"]) for r in kept[:3]}) == 1
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_keep_global_batch_through_a_kill(restart):
+    # The adoption follows the quorum: a survivor takes the dead replica's share from the
+    # quorum without it on, and gives it back when a replacement has healed (restart).
+    keep = lambda comm: sg.Mirrored(comm=comm, keep_global_batch=True)  # noqa: E731
+    faults = ReplicaFaults().fail_at(1, 4, restart=restart)
+    results = run_replicas(_train, 3, args=(keep, 12, faults), faults=faults)
+    live = [r for r in results if r is not None]
+    _assert_equal(live)
+    assert all(r[1] == 12 for r in live)
+    assert len({(r[4]["epoch"], r[4]["step_in_epoch"]) for r in live}) == 1
+
+
+def test_keep_global_batch_needs_fault_tolerance_and_a_gradient_mean():
+    with pytest.raises(ValueError, match="keep_global_batch=True.*not fault tolerant"):
+        sg.Mirrored(keep_global_batch=True, fault_tolerant=False)
+    with pytest.raises(ValueError, match="keep_global_batch=True needs a step that averages"):
+        sg.LocalSGD(keep_global_batch=True, fault_tolerant=True)

@@ -231,3 +231,37 @@ def test_a_strategy_built_as_configuration_does_not_join_the_job(monkeypatch) ->
     st = sg.Mirrored()
     assert st._comm is None
     copy.copy(st)
+
+
+class _RefusingComm(Comm):
+    """A world of one whose transaction never commits (a collective failed somewhere)."""
+
+    def __init__(self) -> None:
+        pass
+
+    rank, world_size, fault_tolerant = 0, 1, True
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor.mul_(3.0)  # what a failed collective leaves is undefined
+
+    def commit(self) -> bool:
+        return False
+
+
+def test_an_elastic_exchange_that_does_not_commit_changes_nothing() -> None:
+    from stratagem.parts.elastic import elastic_exchange_, make_center
+
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g).double()]
+    groups = [[0], [1]]
+    flats, _ = make_center(tensors, groups)
+    for f in flats:
+        f.add_(1.0)  # the center differs from the worker: an exchange would move both
+    before = [t.clone() for t in tensors], [f.clone() for f in flats]
+    assert not elastic_exchange_(_RefusingComm(), tensors, groups, flats, [True, True], 0.5)
+    for now, then in zip([*tensors, *flats], [*before[0], *before[1]], strict=True):
+        assert torch.equal(now, then)
+    # The same exchange on a Comm that commits moves worker and center towards each other.
+    assert elastic_exchange_(Comm.single(), tensors, groups, flats, [True, True], 0.5)
+    assert not torch.equal(tensors[0], before[0][0])
+    assert not torch.equal(flats[0], before[1][0])

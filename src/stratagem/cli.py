@@ -215,7 +215,7 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
                         "(default: the interface this machine uses to reach --master-addr)")
     p.add_argument("--max-restarts", type=nonneg_int, default=None)
     p.add_argument("--fault-tolerant", action="store_true",
-                   help="keep training through lost workers (Mirrored, LocalSGD, DiLoCo): "
+                   help="keep training through lost workers (Mirrored, LocalSGD, DiLoCo, sync EASGD): "
                         "start the quorum service, restart a dead worker alone (up to "
                         "--max-restarts per worker, default 10) and heal it from a live peer; "
                         "needs stratagem[ft]")

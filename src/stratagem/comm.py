@@ -261,6 +261,11 @@ class Comm:
         """The number of replicas the job was launched with (see :attr:`slot`)."""
         return self.world_size
 
+    def live_slots(self) -> list[int]:
+        """The slots of the replicas synchronising now, sorted (every slot here; the current
+        quorum's under fault tolerance)."""
+        return list(range(self.num_slots))
+
     def ddp_group(self) -> dist.ProcessGroup | None:
         """The process group ``DistributedDataParallel`` is built on: this Comm's own."""
         return self.group

@@ -99,6 +99,7 @@ class DistributedLoader:
         self.epoch = 0
         self._start_step = 0
         self._resume_at: tuple[int, int] | None = None
+        self._adopted: tuple[int, ...] = ()
         self.step_in_epoch = 0
         if self._n < num_replicas:
             raise ValueError(
@@ -140,6 +141,18 @@ class DistributedLoader:
         self._resume_at = (int(state["epoch"]), int(state["step_in_epoch"]))
         self.epoch = max(self.epoch, self._resume_at[0])
 
+    def adopt(self, slots: Sequence[int]) -> None:
+        """Also yield the shares of ``slots`` (other replicas' places) of every global batch
+        from the next one on, each right after this replica's own share (fault tolerance's
+        ``keep_global_batch``: a live replica trains on a missing one's samples). ``()``
+        stops. ``len()`` and the position still count global batches."""
+        slots = tuple(int(k) for k in slots)
+        bad = [k for k in slots if not 0 <= k < self.num_replicas or k == self.replica_id]
+        if bad or len(set(slots)) != len(slots):
+            raise ValueError(f"adopt: slots must be distinct places other than this replica's "
+                             f"({self.replica_id}) in range({self.num_replicas}), got {slots}")
+        self._adopted = slots
+
     def skip_first_batches(self, num_batches: int) -> DistributedLoader:
         """Start the next iteration at step ``num_batches`` of the current epoch (the skipped
         batches are never loaded); later iterations start at 0. Returns ``self``."""
@@ -160,9 +173,13 @@ class DistributedLoader:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(self._n, generator=gen)
 
-    def _index_batches(self) -> list[torch.Tensor]:
-        perm = self._permutation()
-        G, b, r = self.global_batch_size, self.per_replica_batch_size, self.replica_id
+    def _index_batches(self, slot: int | None = None,
+                       perm: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The sample indices of ``slot``'s share (this replica's by default) of each global
+        batch of the epoch."""
+        perm = self._permutation() if perm is None else perm
+        G, b = self.global_batch_size, self.per_replica_batch_size
+        r = self.replica_id if slot is None else slot
         full = self._n // G
         batches = [perm[s * G + r * b: s * G + (r + 1) * b] for s in range(full)]
         if len(self) > full:
@@ -179,7 +196,9 @@ class DistributedLoader:
                 self._start_step = step
             self._resume_at = None
         epoch = self.epoch
-        batches = self._index_batches()
+        perm = self._permutation()
+        batches = self._index_batches(perm=perm)
+        others: dict[int, list[torch.Tensor]] = {}  # adopted slots' shares, this epoch
         step = self._start_step
         self.step_in_epoch = step
         self._start_step = 0
@@ -191,6 +210,10 @@ class DistributedLoader:
                 step += 1
                 self.step_in_epoch = step
                 yield batch
+                for k in self._adopted:  # keep_global_batch: a missing replica's share
+                    if k not in others:
+                        others[k] = self._index_batches(k, perm)
+                    yield next(self._batches_from(others[k], step - 1))
             else:
                 return
             assert self._resume_at is not None

@@ -36,7 +36,7 @@ from .data import DistributedLoader, skip_first_batches
 from .errors import ReplicaMismatchError
 from .parts.base import Part
 from .precision import Autocast, Precision
-from .validation import check_int, check_number, check_timeout
+from .validation import check_bool, check_int, check_number, check_timeout
 
 __all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer", "StepEndHook",
            "register_feature"]
@@ -250,6 +250,7 @@ class Strategy:
         init_scale: float = 2.0**16,
         fault_tolerant: bool | None = None,
         min_replicas: int = 1,
+        keep_global_batch: bool = False,
     ) -> None:
         if accumulation_steps is not None and global_accumulation_steps is not None:
             raise ValueError(
@@ -267,6 +268,11 @@ class Strategy:
                       fix="pass the seconds a peer may stay silent, e.g. timeout=60")
         self.fault_tolerant, self.min_replicas = self._check_fault_tolerance(
             fault_tolerant, min_replicas, comm)
+        self.keep_global_batch = self._check_keep_global_batch(keep_global_batch)
+        #: keep_global_batch: the missing slots whose share of each global batch this replica
+        #: trains on too, and the all-reduce divisor's correction (live / launched replicas).
+        self._adopted: tuple[int, ...] = ()
+        self._live_fraction = 1.0
         self.device = torch.device(device) if device is not None else _default_device()
         self.timeout = float(timeout)
         self._prepared: list[Prepared] = []
@@ -332,9 +338,57 @@ class Strategy:
         if wanted and not self._fault_tolerance:
             raise ValueError(
                 f"{type(self).__name__} cannot run fault tolerant yet (fault_tolerant=True, or "
-                f"launched with --fault-tolerant); supported: Mirrored, LocalSGD, DiLoCo. Fix: "
-                "use one of those, or launch without --fault-tolerant")
+                f"launched with --fault-tolerant); supported: Mirrored, LocalSGD, DiLoCo, "
+                "ElasticAveraging(mode='sync', rho=0). Fix: use one of those, or launch without "
+                "--fault-tolerant")
         return wanted, min_replicas
+
+    #: True for the strategies whose step is a mean of every replica's gradient (Mirrored),
+    #: where ``keep_global_batch`` gives exactly the fault-free update.
+    _keeps_global_batch = False
+
+    def _check_keep_global_batch(self, keep: bool) -> bool:
+        check_bool("keep_global_batch", keep)
+        if keep and not self.fault_tolerant:
+            raise ValueError(
+                "keep_global_batch=True keeps the global batch constant while replicas of a "
+                "fault-tolerant job are missing; this strategy is not fault tolerant "
+                "(fault_tolerant=False and not launched with --fault-tolerant). Fix: pass "
+                "fault_tolerant=True, or drop keep_global_batch")
+        if keep and not self._keeps_global_batch:
+            raise ValueError(
+                f"keep_global_batch=True needs a step that averages every replica's gradient "
+                f"(Mirrored); {type(self).__name__} steps on local models, whose averages "
+                "would weigh a replica that trains for a missing one like any other. Fix: use "
+                "Mirrored, or drop keep_global_batch (a missing replica's share is skipped)")
+        return keep
+
+    def _plan_global_batch(self) -> None:
+        """keep_global_batch: after each quorum, give the missing slots' shares of the next
+        global batches to the live replicas (missing slot ``m_j`` to the ``j % W``-th live
+        replica by slot), so every sample is trained on. Each share is one more
+        micro-batch, and each micro-batch's loss is divided by ``accumulation_steps * N / W``
+        (N launched, W live): the all-reduce's mean over W replicas is then the mean over
+        all N shares, the fault-free update."""
+        if not self.keep_global_batch:
+            return
+        comm = self.comm
+        live = comm.live_slots()
+        missing = sorted(set(range(comm.num_slots)) - set(live))
+        mine = live.index(comm.slot) if comm.slot in live else 0
+        adopted = tuple(missing[mine::len(live)]) if live else ()
+        if self._accumulating():  # never mid-step: the next boundary takes it
+            return
+        self._adopted = adopted
+        self._live_fraction = len(live) / comm.num_slots if live else 1.0
+        for loader in self._loaders:
+            loader.adopt(adopted)
+        self._set_next_sync()
+
+    @property
+    def _micro_per_step(self) -> int:
+        """Micro-batches this replica runs per optimizer step (its own and adopted shares)."""
+        return self._accumulation_steps * (1 + len(self._adopted))
 
     @property
     def comm(self) -> Comm:
@@ -486,11 +540,12 @@ class Strategy:
         prepared.optimizers = [StrategyOptimizer(self, opt, prepared) for opt in optimizers]
         self._prepared.append(prepared)
         self._setup(prepared)
-        self._set_grad_sync(prepared, self._micro + 1 >= self.accumulation_steps)
+        self._set_grad_sync(prepared, self._micro + 1 >= self._micro_per_step)
         if self.comm.fault_tolerant:
             self.comm.set_state_fns(self.heal_state,  # type: ignore[attr-defined]
                                     self.load_heal_state)
             self.comm.begin()  # the first quorum: a new or restarted replica heals here
+            self._plan_global_batch()
         if not optimizers:
             return wrapped
         return (wrapped, *prepared.optimizers)
@@ -732,7 +787,7 @@ class Strategy:
                 "clip_grad_norm_ without strategy.backward(loss): precision='fp16' scales the "
                 "loss there. Replace loss.backward() with strategy.backward(loss).")
         at_boundary = not self._boundary_done and (
-            self._micro == 0 or self._micro >= self.accumulation_steps)
+            self._micro == 0 or self._micro >= self._micro_per_step)
         if at_boundary:
             del self._clip_requests[id(prepared)]
             self._clip_now(prepared, request)
@@ -773,7 +828,9 @@ class Strategy:
         loss scaling; gradient communication failures become ``PeerTimeoutError``."""
         if self._boundary_done:
             self._end_accumulation()
-        if self.accumulation_steps > 1:
+        if self._live_fraction != 1.0:  # keep_global_batch with replicas missing
+            loss = loss / (self.accumulation_steps / self._live_fraction)
+        elif self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         loss = self.precision.scale_loss(loss)
         try:
@@ -786,12 +843,12 @@ class Strategy:
         self._set_next_sync()
 
     def _set_next_sync(self) -> None:
-        sync = (self._micro + 1) >= self.accumulation_steps
+        sync = (self._micro + 1) >= self._micro_per_step
         for prepared in self._prepared:
             self._set_grad_sync(prepared, sync)
 
     def _accumulating(self) -> bool:
-        return 0 < self._micro < self.accumulation_steps and not self._boundary_done
+        return 0 < self._micro < self._micro_per_step and not self._boundary_done
 
     def _end_accumulation(self) -> None:
         if self._boundary_done:
@@ -807,8 +864,8 @@ class Strategy:
                 raise RuntimeError(
                     "optimizer.step() without strategy.backward(loss): precision='fp16' scales "
                     "the loss there. Replace loss.backward() with strategy.backward(loss).")
-            self._micro = self.accumulation_steps  # the user called loss.backward() directly
-        if self._micro < self.accumulation_steps:
+            self._micro = self._micro_per_step  # the user called loss.backward() directly
+        if self._micro < self._micro_per_step:
             return  # a micro-batch: gradients keep accumulating, nothing is communicated
         self._boundary_done = True
         prepared = opt._prepared
@@ -850,6 +907,7 @@ class Strategy:
             # Membership changes (and heals) happen here, between steps, before any replica
             # computes the step that will communicate.
             self.comm.begin()
+            self._plan_global_batch()
         # The step boundary is where a checkpoint is consistent (a skipped step is a
         # boundary too: every replica agreed to skip it); preemption hooks in here.
         for hook in list(self._step_end_hooks.values()):
@@ -969,6 +1027,7 @@ class Strategy:
                                    replica_id=comm.slot, shuffle=shuffle, seed=seed,
                                    drop_remainder=drop_remainder, device=self.device, **kwargs)
         self._loaders.append(loader)
+        loader.adopt(self._adopted)
         healed = self._healed_loaders
         if len(self._loaders) <= len(healed):
             loader.fast_forward(healed[len(self._loaders) - 1])
@@ -1012,7 +1071,7 @@ class Strategy:
         """True when the last ``strategy.backward`` completed an accumulated step (gradients
         communicated; the next ``optimizer.step()`` applies an update), and until the next
         micro-batch; Accelerate's ``accelerator.sync_gradients``."""
-        return self._micro == 0 or self._micro >= self.accumulation_steps or self._boundary_done
+        return self._micro == 0 or self._micro >= self._micro_per_step or self._boundary_done
 
     def barrier(self) -> None:
         """Every replica waits here for the others (Accelerate's ``wait_for_everyone``,
@@ -1179,6 +1238,7 @@ class Strategy:
                 "local_steps": prepared.local_steps,
                 "optimizers": [opt.optimizer.state_dict() for opt in prepared.optimizers],
                 "parts": {part.name: part.heal_state(prepared) for part in self.parts},
+                "strategy": self._heal_extra(prepared),
             })
         return {"steps": self._steps, "skipped": self._skipped,
                 "precision": self.precision.state_dict(), "models": models,
@@ -1214,12 +1274,21 @@ class Strategy:
                     opt.optimizer.load_state_dict(opt_state)
                 for part in self.parts:
                     part.load_heal_state(prepared, saved["parts"].get(part.name, {}))
+                self._load_heal_extra(prepared, saved.get("strategy", {}))
         self._steps = int(state["steps"])
         self._skipped = int(state["skipped"])
         self.precision.load_state_dict(state["precision"])
         self._healed_loaders = list(state.get("loaders", []))
         for loader, position in zip(self._loaders, self._healed_loaders):
             loader.fast_forward(position)
+
+    def _heal_extra(self, prepared: Prepared) -> dict[str, Any]:
+        """State a strategy keeps outside its parts that a joining replica needs (a tree of
+        tensors and JSON values; not a collective). None by default."""
+        return {}
+
+    def _load_heal_extra(self, prepared: Prepared, state: dict[str, Any]) -> None:
+        """Load what a live peer's :meth:`_heal_extra` returned."""
 
     def _find_prepared(self, model: nn.Module) -> Prepared | None:
         for p in self._prepared:

@@ -23,24 +23,33 @@ p.add_argument("--steps", type=int, default=120)
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--timeout", type=float, default=10.0)
 p.add_argument("--width", type=int, default=64)
+p.add_argument("--data", choices=["synthetic", "mnist"], default="synthetic",
+               help="synthetic (tests): 3000 clustered 64-d points; mnist: MNIST-5k (benchmarks)")
 args = p.parse_args()
 slot = int(os.environ.get("STRATAGEM_FT_SLOT", os.environ.get("RANK", "0")))
 with open(os.path.join(args.out, f"pids.{slot}"), "a") as f:
     f.write(f"{os.getpid()}\n")
 
-g = torch.Generator().manual_seed(0)
-centers = torch.randn(10, 64, generator=g) * 1.5
-labels = torch.randint(0, 10, (3000,), generator=g)
-x = centers[labels] + torch.randn(3000, 64, generator=g) * 2.0
-train, test = (x[:2400], labels[:2400]), (x[2400:], labels[2400:])
+if args.data == "mnist":
+    from stratagem.demo import load_mnist5k
+
+    train, test = load_mnist5k()
+else:
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(10, 64, generator=g) * 1.5
+    labels = torch.randint(0, 10, (3000,), generator=g)
+    x = centers[labels] + torch.randn(3000, 64, generator=g) * 2.0
+    train, test = (x[:2400], labels[:2400]), (x[2400:], labels[2400:])
 
 t = args.timeout
 make = {"mirrored": lambda: sg.Mirrored(timeout=t),
         "local_sgd": lambda: sg.LocalSGD(period=4, timeout=t),
-        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t)}[args.strategy]
+        "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t),
+        "easgd": lambda: sg.ElasticAveraging(period=4, timeout=t)}[args.strategy]
 strategy = make()
 torch.manual_seed(slot)
-model = nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, 10))
+model = nn.Sequential(nn.Linear(train[0].shape[1], args.width), nn.ReLU(),
+                      nn.Linear(args.width, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 model, opt = strategy.prepare(model, opt)
 loader = strategy.distribute_dataset(train, global_batch_size=60, seed=1)

@@ -313,6 +313,21 @@ class FaultTolerantComm(Comm):
         """Steps committed by the quorum (torchft's step count)."""
         return int(self.manager.current_step())
 
+    def live_slots(self) -> list[int]:
+        """The slots of the current quorum, sorted: one all-gather of the slot numbers when
+        the quorum changed (torchft's quorum id), cached until it changes again. A gather
+        that failed (the step will not commit) is not cached."""
+        self.begin()
+        quorum_id = getattr(self.manager, "_quorum_id", None)
+        cached = getattr(self, "_live", None)
+        if cached is not None and quorum_id is not None and cached[0] == quorum_id:
+            return list(cached[1])
+        mine = torch.tensor([self._slot], dtype=torch.int64)
+        slots = sorted({int(t.item()) for t in self.all_gather(mine)})
+        if self._error is None and len(slots) == self._world:
+            self._live = (quorum_id, slots)
+        return slots
+
     def _missing_slots(self) -> list[int]:
         store = self._job_store
         if store is None:
@@ -434,7 +449,8 @@ class FaultTolerantComm(Comm):
     def split(self, groups: Any, *, name: str = "split") -> Comm:
         raise NotImplementedError(
             "a fault-tolerant Comm cannot be split into sub-groups yet (its membership "
-            "changes). Fix: use fault_tolerant=True on Mirrored, LocalSGD or DiLoCo")
+            "changes). Fix: use fault_tolerant=True on Mirrored, LocalSGD, DiLoCo or "
+            "ElasticAveraging(mode='sync')")
 
     def ddp_group(self) -> dist.ProcessGroup:
         """The group DDP is built on: a world of one (DDP's own start-up collectives and

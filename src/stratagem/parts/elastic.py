@@ -22,7 +22,7 @@ from .tensors import dtype_groups, gather_ranks, load_rank, synced_tensors
 if TYPE_CHECKING:
     from ..strategy import Prepared
 
-__all__ = ["ElasticExchange", "elastic_exchange_", "make_center"]
+__all__ = ["ElasticExchange", "elastic_exchange_", "load_center", "make_center"]
 
 
 def make_center(tensors: Sequence[torch.Tensor], groups: list[list[int]]
@@ -42,20 +42,40 @@ def make_center(tensors: Sequence[torch.Tensor], groups: list[list[int]]
 
 def elastic_exchange_(comm: Comm, tensors: Sequence[torch.Tensor], groups: list[list[int]],
                       center_flats: Sequence[torch.Tensor], pull: Sequence[bool],
-                      moving_rate: float) -> None:
+                      moving_rate: float) -> bool:
     """One synchronous round: ``x~ += a * sum_i d_i`` and ``x_i -= a * d_i`` for the tensors
     with ``pull[i]`` (the penalty form of EASGD pulls parameters through the gradient
-    instead, so it passes False for them)."""
+    instead, so it passes False for them).
+
+    One transaction of ``comm``: the sums are all-reduced first and nothing changes unless
+    the transaction commits (a fault-tolerant Comm whose collective failed leaves workers and
+    center as they were and returns False; the next exchange includes what this one would
+    have moved). On a plain Comm it always commits, bitwise as an exchange that pulls
+    before it reduces: ``x_i - c`` is the same number computed either way."""
     a = moving_rate
+    comm.begin()
     with torch.no_grad():
+        sums = []
         for idx, center in zip(groups, center_flats, strict=True):
             group = [tensors[i] for i in idx]
-            d = flatten(group).sub_(center)
-            for i, t, v in zip(idx, group, views(d, group), strict=True):
+            sums.append(comm.all_reduce(flatten(group).sub_(center)))  # sum_i d_i per dtype
+        if not comm.commit():
+            return False
+        for idx, center, total in zip(groups, center_flats, sums, strict=True):
+            group = [tensors[i] for i in idx]
+            for i, t, c in zip(idx, group, views(center, group), strict=True):
                 if pull[i]:
-                    t.sub_(v, alpha=a)
-            comm.all_reduce(d)  # sum_i d_i, one collective per dtype
-            center.add_(d, alpha=a)
+                    t.sub_(t - c, alpha=a)  # before the center moves: d_i = x_i - x~
+            center.add_(total, alpha=a)
+    return True
+
+
+def load_center(names: Sequence[str], center: Sequence[torch.Tensor],
+                saved: dict[str, torch.Tensor]) -> None:
+    """Copy a live peer's center (a heal) into ``center``, tensor by tensor."""
+    with torch.no_grad():
+        for n, c in zip(names, center, strict=True):
+            c.copy_(saved[n])
 
 
 class _ElasticPartState:
@@ -93,12 +113,15 @@ class ElasticExchange(Part):
         return st
 
     def _exchange(self, st: _ElasticPartState) -> None:
-        elastic_exchange_(self.comm, st.tensors, st.groups, st.center_flats,
-                          [True] * len(st.tensors), self.moving_rate)
-        self.exchanges += 1
+        if elastic_exchange_(self.comm, st.tensors, st.groups, st.center_flats,
+                             [True] * len(st.tensors), self.moving_rate):
+            self.exchanges += 1
+
+    def syncs_at(self, prepared: Prepared, step: int) -> bool:
+        return step % self.period == 0
 
     def after_update(self, prepared: Prepared) -> None:
-        if prepared.local_steps % self.period == 0:
+        if self.syncs_at(prepared, prepared.local_steps):
             st = self._state(prepared)
             self._exchange(st)
             st.exchanged_at = prepared.local_steps
@@ -129,6 +152,17 @@ class ElasticExchange(Part):
     def load_extra_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         st = self._state(prepared)
         load_rank(state, "local", self.comm.rank, self.comm.world_size, st.names, st.tensors)
+
+    def heal_state(self, prepared: Prepared) -> dict[str, Any]:
+        st = self._state(prepared)
+        return {"center": {n: c.detach() for n, c in zip(st.names, st.center, strict=True)},
+                "exchanged_at": st.exchanged_at, "exchanges": self.exchanges}
+
+    def load_heal_state(self, prepared: Prepared, state: dict[str, Any]) -> None:
+        st = self._state(prepared)
+        load_center(st.names, st.center, state["center"])
+        st.exchanged_at = int(state["exchanged_at"])
+        self.exchanges = int(state["exchanges"])
 
     def metrics(self) -> dict[str, Any]:
         return {"exchanges": self.exchanges, "moving_rate": self.moving_rate}

@@ -31,7 +31,7 @@ from ..comm import Comm
 from ..comm import flatten as _flatten
 from ..comm import views as _views
 from ..parts import ElasticExchange, Part
-from ..parts.elastic import elastic_exchange_, make_center
+from ..parts.elastic import elastic_exchange_, load_center, make_center
 from ..parts.tensors import dtype_groups as _dtype_groups
 from ..parts.tensors import gather_ranks as _gather_ranks
 from ..parts.tensors import load_rank as _load_rank
@@ -164,6 +164,10 @@ class ElasticAveraging(Strategy):
             raise ValueError(f"ps_addresses only applies to mode='async', got ps_addresses="
                              f"{ps_addresses!r} with mode={mode!r}. Fix: drop ps_addresses or "
                              "pass mode='async'")
+        # Fault tolerance (issue 22): the synchronous exchange is one transaction of the
+        # fault-tolerant Comm; the penalty form exchanges inside the optimizer step, and async
+        # mode's center lives on parameter-server shards (which survive workers already).
+        self._fault_tolerance = mode == "sync" and rho == 0
         super().__init__(**common)
         self._moving_rate = None if moving_rate is None else float(moving_rate)
         self.beta = float(beta)
@@ -187,7 +191,11 @@ class ElasticAveraging(Strategy):
         """The elastic rate ``alpha``: as given, else ``beta / (period * num_workers)``
         (computed on first use, when the number of workers is known)."""
         if self._moving_rate is None:
-            self._moving_rate = self._default_moving_rate(self.num_replicas_in_sync)
+            # Fault tolerant: the workers the job was launched with, not the quorum of the
+            # moment, so a replica restarted later computes the same rate as its peers.
+            workers = (self.comm.num_slots if self.comm.fault_tolerant
+                       else self.num_replicas_in_sync)
+            self._moving_rate = self._default_moving_rate(workers)
         return self._moving_rate
 
     def _default_moving_rate(self, workers: int) -> float:
@@ -292,6 +300,11 @@ class ElasticAveraging(Strategy):
                 m.mul_(delta).sub_(b)  # m = momentum * m + u
                 p.add_(m, alpha=delta)  # x = x_before + u + momentum * m (Nesterov)
 
+    def _next_step_syncs(self, prepared: Prepared) -> bool:
+        # Fault tolerant: the quorum (and a heal) comes before an exchange step.
+        return super()._next_step_syncs(prepared) or (
+            self.mode == "sync" and (prepared.local_steps + 1) % self.period == 0)
+
     def _after_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
         if self.rho > 0 or prepared.local_steps % self.period != 0:
             return  # the penalty form exchanged before the step, in _apply_update
@@ -307,8 +320,10 @@ class ElasticAveraging(Strategy):
         a = self.moving_rate
         with torch.no_grad():
             if self.mode == "sync":
-                elastic_exchange_(self.comm, st.tensors, st.groups, st.center_flats,
-                                  [pull_params or not p for p in st.is_param], a)
+                # One transaction: under fault tolerance a failed exchange changes nothing.
+                if not elastic_exchange_(self.comm, st.tensors, st.groups, st.center_flats,
+                                         [pull_params or not p for p in st.is_param], a):
+                    return
             else:
                 assert st.table is not None
                 d_by_key = st.table.elastic_exchange(self._named(st), a)
@@ -467,6 +482,27 @@ class ElasticAveraging(Strategy):
                     if id(p) in st.momentum]
             out.update(_gather_ranks(self.comm, names, bufs, "momentum"))
         return out
+
+    def _heal_extra(self, prepared: Prepared) -> dict[str, Any]:
+        """Sync mode under fault tolerance: the center, EAMSGD's momentum, the exchange
+        schedule and the moving rate in force (a joiner then continues as its peer)."""
+        st: _ElasticState = prepared.state["easgd"]
+        momentum = {n: st.momentum[id(p)] for n, p in prepared.module.named_parameters()
+                    if id(p) in st.momentum}
+        return {"center": {n: c.detach() for n, c in zip(st.names, st.center, strict=True)},
+                "momentum": momentum, "exchanged_at": st.exchanged_at,
+                "exchanges": self._exchanges, "moving_rate": self.moving_rate}
+
+    def _load_heal_extra(self, prepared: Prepared, state: dict[str, Any]) -> None:
+        st: _ElasticState = prepared.state["easgd"]
+        load_center(st.names, st.center, state["center"])
+        with torch.no_grad():
+            for n, p in prepared.module.named_parameters():
+                if id(p) in st.momentum:
+                    st.momentum[id(p)].copy_(state["momentum"][n])
+        st.exchanged_at = int(state["exchanged_at"])
+        self._exchanges = int(state["exchanges"])
+        self._moving_rate = float(state["moving_rate"])
 
     def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
         st: _ElasticState = prepared.state["easgd"]

@@ -39,6 +39,7 @@ class Mirrored(Strategy):
     _hierarchy_roles = ("inner",)
     _synchronous_step = True
     _fault_tolerance = True
+    _keeps_global_batch = True
 
     def __init__(self, *, bucket_cap_mb: float = 25, compression: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False,

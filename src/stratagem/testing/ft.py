@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -77,13 +77,17 @@ class ReplicaFaults:
 
 def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                  faults: ReplicaFaults | None = None, min_replicas: int = 1,
-                 timeout: float = 10.0, deadline: float = 120.0) -> list[Any]:
+                 timeout: float = 10.0, deadline: float = 120.0,
+                 absent: Sequence[int] = ()) -> list[Any]:
     """Run ``fn(comm, *args)`` for ``n`` fault-tolerant replicas as threads (see the module
     docstring); a replica killed by ``faults`` is replaced by a new one in its slot (its
-    result is the replacement's). Raises the first unexpected exception, or
-    ``TimeoutError`` after ``deadline`` seconds."""
+    result is the replacement's). The slots in ``absent`` are never started (as if they
+    died before their first quorum; their result is None). Raises the first unexpected
+    exception, or ``TimeoutError`` after ``deadline`` seconds."""
     service = QuorumService(num_slots=n, min_replicas=min_replicas)
     job_store = loopback_tcp_store("127.0.0.1", 0, timeout=timedelta(seconds=30))
+    if absent:  # counted as started: the live ones' first quorum does not wait for them
+        job_store.add("ft/started", len(absent))
     token = secrets.token_hex(32).encode()
     results: list[Any] = [None] * n
     errors: list[tuple[int, BaseException, str]] = []
@@ -122,7 +126,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
 
     try:
         for slot in range(n):
-            start(slot)
+            if slot not in absent:
+                start(slot)
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             with lock:

@@ -1,0 +1,168 @@
+"""Fault tolerance per strategy (issue 22's first "Done when"): a 4-worker job under
+``stratagem run --fault-tolerant`` with three SIGKILLs, side by side with the same job without
+failures, for each synchronous strategy that runs fault tolerant.
+
+Each job runs ``tests/ft_scripts/train_ft.py`` (an MLP on MNIST-5k, ``--data mnist``) for
+``--steps`` steps with ``--step-sleep`` seconds of simulated extra compute per step (so the
+job lasts long enough for three kills and three replacements on this 2-core machine). The
+kills hit slots 1, 2 and 3 in turn, once each slot's progress passes 15 %, 35 % and 55 % of
+the steps; slot 0 is never killed. Checked and reported per strategy:
+
+- no survivor restarted: every slot has one PID except the killed one, which has two;
+- the final consensus models (``eval_model``) of the 4 replicas are bitwise equal;
+- test accuracy against the fault-free run's (target: within 0.5 point);
+- goodput: committed samples per second over the fault-free job's (a slot's share of a
+  global batch counts for each step the slot took part in; while a slot is away its share
+  is lost), and the time lost per kill: on slot 0, the longest gap between two committed
+  steps after each kill, minus the median step.
+
+    PYTHONPATH=src python benchmarks/ft_kills.py [--strategies mirrored,local_sgd,diloco,easgd]
+        [--steps 1000] [--step-sleep 0.03]
+
+Writes benchmarks/results/ft_kills.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import split_list, write_report
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "ft_scripts" / "train_ft.py"
+NPROC = 4
+KILLS = ((1, 0.15), (2, 0.35), (3, 0.55))  # (slot, fraction of the steps)
+
+
+def _progress(out: Path, slot: int) -> int:
+    try:
+        return int((out / f"progress.{slot}").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _stamps(out: Path, slot: int) -> list[tuple[int, float]]:
+    rows = []
+    for line in (out / f"times.{slot}").read_text().splitlines():
+        step, t = line.split()
+        rows.append((int(step), float(t)))
+    return rows
+
+
+def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix=f"ftkills-{strategy}-"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "stratagem.cli", "run", "--nproc", str(NPROC),
+           "--fault-tolerant", str(SCRIPT), "--out", str(out), "--steps", str(steps),
+           "--strategy", strategy, "--data", "mnist", "--step-sleep", str(sleep),
+           "--timeout", "30"]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    killed: list[tuple[int, float]] = []
+    if kills:
+        for slot, frac in KILLS:
+            deadline = time.monotonic() + 600
+            while _progress(out, slot) < frac * steps:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    text = proc.communicate()[0].decode(errors="replace")
+                    raise SystemExit(f"{strategy}: slot {slot} never reached {frac:.0%}:\n"
+                                     f"{text[-3000:]}")
+                time.sleep(0.02)
+            pid = int((out / f"pids.{slot}").read_text().split()[-1])
+            os.kill(pid, signal.SIGKILL)
+            killed.append((slot, time.time()))
+    output, _ = proc.communicate(timeout=1800)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{strategy} failed:\n{output.decode(errors='replace')[-3000:]}")
+    pids = {s: (out / f"pids.{s}").read_text().split() for s in range(NPROC)}
+    # A replacement that starts after the others finished finds nobody to heal from and
+    # ends without a result (docs/reliability.md): it counts as not equal.
+    finished = [s for s in range(NPROC) if (out / f"final.{s}.safetensors").exists()]
+    states = [load_file(out / f"final.{s}.safetensors") for s in finished]
+    equal = len(finished) == NPROC and all(
+        (v == st[k]).all() for st in states[1:] for k, v in states[0].items())
+    accs = [float((out / f"acc.{s}").read_text().split()[0]) for s in finished]
+    rows = _stamps(out, 0)
+    stamps = [t for _, t in rows]
+    diffs = [b - a for a, b in zip(stamps, stamps[1:])]
+    step = statistics.median(diffs[len(diffs) // 10:])
+    # Committed samples: each slot's share of the global batch for every step it took part
+    # in (a slot logs a step once it is applied; a missing slot's share is lost).
+    slot_steps = sum(len({step for step, _ in _stamps(out, s)}) for s in range(NPROC))
+    result: dict[str, Any] = {
+        "committed_slot_steps": slot_steps,
+        "committed_slot_steps_per_s": slot_steps / (stamps[-1] - stamps[0]),
+        "strategy": strategy, "kills": len(killed), "wall_s": wall,
+        "train_s": stamps[-1] - stamps[0], "median_step_ms": step * 1e3,
+        "accuracy": accs[0], "bitwise_equal": bool(equal),
+        "pids_per_slot": [len(pids[s]) for s in range(NPROC)],
+        "survivors_never_restarted": all(len(pids[s]) == (2 if s in dict(KILLS) and kills
+                                                          else 1) for s in range(NPROC)),
+        "finished": finished,
+        "heals": [(out / f"acc.{s}").read_text().splitlines()[2] for s in finished],
+    }
+    if killed:
+        lost = []
+        for _, at in killed:
+            after = [(a, b) for a, b in zip(stamps, stamps[1:]) if b > at]
+            window = [b - a for a, b in after[:60]]  # the steps right after the kill
+            lost.append(max(window) - step if window else float("nan"))
+        result["time_lost_per_kill_s"] = lost
+        back = []
+        for slot, at in killed:
+            later = [t for _, t in _stamps(out, slot) if t > at]
+            back.append(later[0] - at if later else float("nan"))
+        result["kill_to_replacement_step_s"] = back
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--strategies", default="mirrored,local_sgd,diloco,easgd")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--step-sleep", type=float, default=0.03)
+    args = p.parse_args()
+    rows = []
+    for strategy in split_list(args.strategies):
+        free = run(strategy, args.steps, args.step_sleep, kills=False)
+        hit = run(strategy, args.steps, args.step_sleep, kills=True)
+        hit["accuracy_delta_points"] = 100 * (hit["accuracy"] - free["accuracy"])
+        hit["goodput_vs_fault_free"] = (hit["committed_slot_steps_per_s"]
+                                        / free["committed_slot_steps_per_s"])
+        rows += [free, hit]
+        print(free, hit, sep="\n", flush=True)
+    lines = [f"`PYTHONPATH=src python benchmarks/ft_kills.py --strategies {args.strategies} "
+             f"--steps {args.steps} --step-sleep {args.step_sleep}` ({NPROC} workers, MNIST-5k "
+             "MLP, kills of slots 1, 2, 3 at 15/35/55 % of the steps)", "",
+             "| strategy | kills | survivors never restarted | final replicas bitwise equal "
+             "| accuracy | vs fault-free (points) | goodput vs fault-free | time lost per kill s "
+             "| kill -> replacement's first step s | median step ms |",
+             "|---|---:|---|---|---:|---:|---:|---|---|---:|"]
+    for r in rows:
+        lost = r.get("time_lost_per_kill_s")
+        back = r.get("kill_to_replacement_step_s")
+        lines.append(
+            f"| {r['strategy']} | {r['kills']} | {r['survivors_never_restarted']} | "
+            f"{r['bitwise_equal']} | {r['accuracy']:.4f} | "
+            f"{r.get('accuracy_delta_points', 0.0):+.2f} | "
+            f"{r.get('goodput_vs_fault_free', 1.0):.2f} | "
+            f"{'' if lost is None else ', '.join(f'{x:.2f}' for x in lost)} | "
+            f"{'' if back is None else ', '.join(f'{x:.1f}' for x in back)} | "
+            f"{r['median_step_ms']:.1f} |")
+    write_report("ft_kills", {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines)
+
+
+if __name__ == "__main__":
+    main()
