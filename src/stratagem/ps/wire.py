@@ -81,10 +81,13 @@ SIZE_METADATA_KEY = "x-stratagem-request-bytes"
 #: +36 MiB in the receiving process, and the shard cannot see a message's size before gRPC has
 #: received all of it. Chunks cost one chunk's copies at a time, are written into a buffer of
 #: the declared size, and let the shard bound what it receives before receiving it.
-#: Why 1 MiB: loopback push+pull of an 8 MB step (benchmarks/ps_throughput.py) lost about a
-#: third of its throughput with 256 KiB chunks (the per-chunk round trip through gRPC and the
-#: event loop) and nothing measurable with 1 MiB; a shard holds about 8 MiB of gRPC buffers
-#: while it receives 1 MiB chunks (2.5 MiB with 256 KiB), within the 1.25x quota bound.
+#: Why 1 MiB: every chunk costs CPU on both ends (a read through the shard's event loop; on
+#: the client, gRPC's feeding thread), so fewer is faster: a loopback 8 MB push+fetch as one
+#: request lost 20-30% of its throughput with 1 MiB chunks and more with 256 KiB ones
+#: (docs/reliability.md). But a shard holds gRPC buffers of several chunks while it receives
+#: (about 8 MiB with 1 MiB chunks, 2.5 MiB with 256 KiB), and with 2 MiB chunks the peak of the
+#: concurrent-register probe reached 1.25x the quota. Requests of at most 1 MiB (the default
+#: bucket size of ``ParameterServer``) are one message and pay nothing.
 REQUEST_CHUNK_BYTES = 1 << 20
 #: gRPC caps a message at 2 GiB - 1; 1 GiB leaves room and is far above a typical shard slice.
 DEFAULT_MAX_MESSAGE_BYTES = flags.DEFAULT_MAX_MESSAGE_BYTES
