@@ -414,7 +414,7 @@ def test_concurrent_registers_keep_to_the_quota_without_a_copy(procs) -> None:
     refused = [d for d in details if d]
     assert len(refused) == 3 and all("before its tensors were received" in d
                                      for d in refused), refused
-    # Measured 1.11-1.14x (+71-73 MiB: the 60 MiB kept, about 8 MiB of gRPC buffers while
+    # Measured 1.11-1.15x (+71-74 MiB: the 60 MiB kept, about 8 MiB of gRPC buffers while
     # 1 MiB chunks arrive, the good client); 1.9-2.9x before requests were chunked, admitted
     # by their declared size and refused by their header: see "Peak shard memory under
     # concurrent big requests" in docs/reliability.md.

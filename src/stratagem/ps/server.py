@@ -329,7 +329,7 @@ class ShardServer:
                 # the measured bandwidth-delay product (megabytes on loopback), so each call
                 # waiting to be admitted had megabytes of its body received and held by gRPC
                 # anyway (8 concurrent 12 MiB registers, 64 MiB quota, 1 MiB chunks: peak
-                # 1.78-1.83x the quota with probing, 1.11-1.14x without). Without it a waiting
+                # 1.78-1.83x the quota with probing, 1.11-1.15x without). Without it a waiting
                 # call holds one 64 KiB window. Loopback push+pull throughput without it was
                 # the same as with it, within the benchmark's noise (docs/reliability.md).
                 ("grpc.http2.bdp_probe", 0),
