@@ -56,6 +56,25 @@ def _exit3_on_rank1(pid_dir: str) -> None:
     time.sleep(600)  # rank 0 must be stopped by the launcher
 
 
+def _die_once_on_rank1(marker: str) -> dict[str, str]:
+    """Rank 1's first attempt dies once the warm spare has been started; every other
+    attempt says which process it runs in. Rank 0 stays until rank 1's replacement is done
+    (a job with a finished replica restarts nobody)."""
+    import multiprocessing
+
+    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        time.sleep(1.5)  # > SPARE_DELAY: the spare is started (it may still be importing)
+        os._exit(1)
+    if os.environ["RANK"] == "1":
+        Path(marker).write_text("done")
+    else:
+        end = time.monotonic() + 90
+        while not Path(marker).exists() and time.monotonic() < end:
+            time.sleep(0.05)
+    return {"process": multiprocessing.current_process().name, "rank": os.environ["RANK"],
+            "attempt": os.environ["TORCHELASTIC_RESTART_COUNT"]}
+
+
 def _hang() -> None:
     time.sleep(600)
 
@@ -257,3 +276,15 @@ def test_shards_stop_when_the_launcher_is_sigkilled() -> None:
     while _alive(shard) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(shard), "the shard outlived its SIGKILLed launcher"
+
+
+@pytest.mark.timeout(120)
+def test_fault_tolerant_launch_replaces_a_dead_worker_with_the_warm_spare(monkeypatch, tmp_path):
+    # Issue 22: the replacement of a dead worker is a spare process started beforehand (torch
+    # already imported), which takes the dead worker's place and environment.
+    pytest.importorskip("torchft")
+    monkeypatch.setattr(launch_mod, "SPARE_DELAY", 0.5)
+    results = launch(_die_once_on_rank1, nprocs=2, args=(str(tmp_path / "done"),),
+                     fault_tolerant=True, max_restarts=1, timeout=100)
+    assert results[0]["process"] == "stratagem-worker-0"
+    assert results[1] == {"process": "stratagem-spare", "rank": "1", "attempt": "1"}

@@ -64,6 +64,10 @@ __all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker
 TERMINATE_GRACE = 5.0
 #: Seconds a worker that already returned its result gets to exit before it is killed.
 EXIT_GRACE = 30.0
+#: Fault-tolerant jobs: seconds after the start (or after a spare took a dead worker's place)
+#: before a warm spare process is started (see :func:`_spare_main`); no spare when the
+#: variable ``STRATAGEM_FT_SPARES=0`` is set.
+SPARE_DELAY = 10.0
 _MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 # os.environ is process-global; spawn copies it at start(), so concurrent launches must not
@@ -343,6 +347,69 @@ def _worker_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
         os._exit(code)
 
 
+def _spare_main(assignments: Connection, result: Connection, parent_pid: int) -> None:
+    """Entry point of a warm spare (fault-tolerant jobs): import now what every worker
+    imports (torch, torch's compiler front end that a torch optimizer's constructor imports,
+    stratagem's strategies and torchft), then wait for the supervisor to hand it a dead
+    worker's place: ``(fn, args, env)`` through ``assignments`` (a pipe from the launching
+    process: trusted), after which it is that worker. The job's end closes the pipe: exit."""
+    _die_with_parent(parent_pid)
+    with contextlib.suppress(Exception):
+        import torch
+        import torch._dynamo  # noqa: F401 - the first optimizer imports it (~1 s)
+
+        from . import strategy  # noqa: F401
+        from .ft import comm  # noqa: F401 - torchft
+
+        del torch
+    try:
+        fn, args, env = assignments.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    finally:
+        assignments.close()
+    os.environ.update(env)
+    _worker_main(fn, args, result, parent_pid)
+
+
+class _Spare:
+    """One warm spare process and its two pipe ends (see :func:`_spare_main`)."""
+
+    def __init__(self, ctx: Any, env: Mapping[str, str]) -> None:
+        assign_r, self.assign = ctx.Pipe(duplex=False)
+        self.result, result_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_spare_main, args=(assign_r, result_w, os.getpid()),
+                                name="stratagem-spare", daemon=False)
+        with _patched_environ(env):
+            self.proc.start()
+        assign_r.close()
+        result_w.close()
+        self.started = time.monotonic()
+
+    def take(self, fn: Callable[..., Any], args: tuple[Any, ...], env: Mapping[str, str]
+             ) -> tuple[BaseProcess, Connection] | None:
+        """Hand the spare a worker's place; None when it is gone (the caller starts one)."""
+        if self.proc.exitcode is not None:
+            self.stop()
+            return None
+        try:
+            self.assign.send((fn, args, dict(env)))
+        except (OSError, ValueError):
+            self.stop()
+            return None
+        self.assign.close()
+        return self.proc, self.result
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.assign.close()
+        with contextlib.suppress(OSError):
+            self.result.close()
+        if self.proc.exitcode is None and self.proc.pid is not None:
+            _kill_tree(self.proc.pid, signal.SIGKILL)
+        self.proc.join(timeout=TERMINATE_GRACE)
+
+
 def _teardown_distributed() -> None:
     """Release the process groups before the interpreter exits (see
     :func:`stratagem.comm.release_all` for why a gloo group left to interpreter finalization
@@ -599,6 +666,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     shards: PSShards | None = None
     quorum: Any = None
     sup: _Supervisor | None = None
+    spare: _Spare | None = None
     # Port 0 lets the OS pick a free port with no race; the store lives as long as this call
     # and listens on loopback only (issue 10).
     store = loopback_tcp_store(_MASTER_ADDR, 0, timeout=timedelta(seconds=60))
@@ -612,7 +680,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         base = {**os.environ, **(env or {})}
         port = store.port
 
-        def start(rank: int, attempt: int) -> tuple[BaseProcess, Connection]:
+        def environment(rank: int, attempt: int) -> dict[str, str]:
             wenv = worker_env(rank=rank, world_size=nprocs, master_port=port,
                               ps_addrs=shards.addresses if shards else (), base=base,
                               nnodes=nnodes, max_restarts=max_restarts)
@@ -622,6 +690,24 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             if quorum is not None:
                 wenv.update(quorum.env(rank))
             wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
+            return wenv
+
+        # Fault tolerant: one warm spare (torch imported, waiting) takes a dead worker's
+        # place at once, so a replacement does not pay the interpreter's and torch's start-up
+        # after the failure (~3-5 s here); the next spare starts once the replacement had
+        # SPARE_DELAY s to start on its own (they would share the CPUs).
+        spares = os.environ.get("STRATAGEM_FT_SPARES", "1") != "0"
+        spare_due = time.monotonic() + SPARE_DELAY if fault_tolerant and spares else None
+
+        def start(rank: int, attempt: int) -> tuple[BaseProcess, Connection]:
+            nonlocal spare, spare_due
+            wenv = environment(rank, attempt)
+            if spare is not None and attempt > 0:
+                taken = spare.take(fn, tuple(args), wenv)
+                spare = None
+                spare_due = time.monotonic() + SPARE_DELAY
+                if taken is not None:
+                    return taken
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker_main, args=(fn, tuple(args), w, os.getpid()),
                             name=f"stratagem-worker-{rank}", daemon=False)
@@ -656,7 +742,13 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                     f"launch timed out after {timeout:g} s with ranks {running} still running; "
                     "all workers were stopped. Find the hang (often a collective waiting for "
                     "a peer that never calls it) or pass a larger timeout=")
-            failure = sup.poll(min(left, 3600.0))
+            if spare_due is not None and spare is None and time.monotonic() >= spare_due \
+                    and not sup.results:
+                spare = _Spare(ctx, environment(0, 0))
+            wait_s = min(left, 3600.0)
+            if spare_due is not None and spare is None:
+                wait_s = max(0.0, min(wait_s, spare_due - time.monotonic() + 0.01))
+            failure = sup.poll(wait_s)
             if failure is None:
                 continue
             # Issue 6: restarts. Every rank that exited without a result has failed.
@@ -696,6 +788,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             raise failure
         return [sup.results[r] for r in range(nprocs)]
     finally:
+        if spare is not None:
+            spare.stop()
         if sup is not None:
             sup.stop_all()
         if shards is not None:
