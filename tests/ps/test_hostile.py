@@ -45,12 +45,18 @@ MD = ((wire.TOKEN_METADATA_KEY, TOKEN),)
 
 def _raw(address: str, data: bytes, token: str | None = TOKEN, timeout: float = 10.0
          ) -> tuple[bytes | None, grpc.RpcError | None]:
-    """One unary call on a connection of its own (not shared with the good client)."""
+    """One call on a connection of its own (not shared with the good client), sent as
+    ``PSClient`` sends it: one message, or chunks with the size declared above
+    ``wire.REQUEST_CHUNK_BYTES``."""
     opts = [*wire.channel_options(512 * MiB), ("grpc.use_local_subchannel_pool", 1)]
     with grpc.insecure_channel(address, options=opts) as ch:
-        md = ((wire.TOKEN_METADATA_KEY, token),) if token is not None else None
+        md = ((wire.TOKEN_METADATA_KEY, token),) if token is not None else ()
         try:
-            return ch.unary_unary(wire.METHOD)(data, timeout=timeout, metadata=md), None
+            if len(data) > wire.REQUEST_CHUNK_BYTES:
+                md = (*md, (wire.SIZE_METADATA_KEY, str(len(data))))
+                return ch.stream_unary(wire.METHOD)(wire.request_chunks(data), timeout=timeout,
+                                                    metadata=md), None
+            return ch.unary_unary(wire.METHOD)(data, timeout=timeout, metadata=md or None), None
         except grpc.RpcError as exc:
             return None, exc
 

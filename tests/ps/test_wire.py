@@ -96,6 +96,23 @@ def test_limits_are_enforced() -> None:
         Limits(max_message_bytes=1 << 31)
 
 
+def test_a_header_is_read_from_the_first_bytes_of_a_message() -> None:
+    # What a shard refuses a chunked request by before the tensors' bytes have arrived.
+    data = encode("register", {"specs": []}, [Entry("w", torch.zeros(1 << 16))])
+    end = wire.frame_length(data[:12])
+    assert end is not None and end < 1024 and wire.frame_length(data[:11]) is None
+    op, fields, metas = wire.decode_header(data[:end])
+    assert (op, fields) == ("register", {"specs": []})
+    assert [(m["name"], m["nbytes"]) for m in metas] == [("w", 4 << 16)]
+    with pytest.raises(WireError, match="runs past the end"):
+        wire.decode_header(data[:end - 1])
+    with pytest.raises(WireError, match="bad magic"):
+        wire.decode_header(b"\x80\x04" + bytes(64))  # a pickle's first bytes
+    long = _frame({"op": "x", "fields": {}, "tensors": []})
+    with pytest.raises(WireError, match="max_header_bytes"):
+        wire.decode_header(long, Limits(max_header_bytes=8))
+
+
 def test_encode_refuses_unknown_dtype() -> None:
     with pytest.raises(TypeError, match="complex64"):
         encode("x", None, [Entry("c", torch.zeros(2, dtype=torch.complex64))])

@@ -253,9 +253,15 @@ class ShardServer:
             raise ValueError(f"max_inflight_bytes must be an integer >= 1024, got "
                              f"{max_inflight_bytes!r}. Fix: pass e.g. 2 * max_message_bytes")
         #: Bound on the request bytes held at once (received, not yet answered): a request
-        #: that would pass it is refused (RESOURCE_EXHAUSTED) and dropped at once.
+        #: that would pass it is refused (RESOURCE_EXHAUSTED) and dropped at once; a chunked
+        #: request (wire.REQUEST_CHUNK_BYTES) is charged its declared size before it is read.
         self.max_inflight_bytes = max_inflight_bytes
         self._inflight_bytes = 0  # loop thread only
+        #: The bytes of chunked requests received and served at once (one request always
+        #: may; the others wait, unread): see :meth:`_admit_big`.
+        self.max_receiving_bytes = max_inflight_bytes // 4
+        self._receiving_bytes = 0  # loop thread only
+        self._received: asyncio.Event | None = None
         self._trim_due = 0.0
         self._trim_pending = False
         self.max_bytes = max_bytes
@@ -313,7 +319,20 @@ class ShardServer:
 
     def _options(self) -> list[tuple[str, Any]]:
         age_ms = int(self.max_connection_age * 1000)
-        return [*wire.channel_options(self.limits.max_message_bytes),
+        return [("grpc.max_send_message_length", self.limits.max_message_bytes),
+                # One gRPC message is at most a chunk (longer requests come chunked, their
+                # size declared and admitted before they are read: see _receive). gRPC refuses
+                # a longer message from its length prefix, before receiving it (a bare
+                # grpc.aio server sent eight 12 MiB messages against a 1 MiB cap: +0 MiB).
+                ("grpc.max_receive_message_length", wire.REQUEST_CHUNK_BYTES),
+                # No BDP probing: with it gRPC grows every stream's receive window towards
+                # the measured bandwidth-delay product (megabytes on loopback), so each call
+                # waiting to be admitted had megabytes of its body received and held by gRPC
+                # anyway (8 concurrent 12 MiB registers, 64 MiB quota, 1 MiB chunks: peak
+                # 1.78-1.83x the quota with probing, 1.11-1.15x without). Without it a waiting
+                # call holds one 64 KiB window. Loopback push+pull throughput without it was
+                # the same as with it, within the benchmark's noise (docs/reliability.md).
+                ("grpc.http2.bdp_probe", 0),
                 # so_reuseport=0: a second shard on the same fixed port must fail, not share it.
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_concurrent_streams", self.max_concurrent_streams),
@@ -345,6 +364,7 @@ class ShardServer:
 
     async def _start_async(self) -> tuple[grpc.aio.Server, int]:
         self._changed = asyncio.Event()
+        self._received = asyncio.Event()
         server = grpc.aio.server(options=self._options(),
                                  maximum_concurrent_rpcs=self.max_concurrent_rpcs)
         # Client-streaming on our side (the client calls it unary: the wire is the same), so
@@ -431,7 +451,25 @@ class ShardServer:
         """The reply, or the refusal as a value: never a raised exception here, because an
         exception's traceback would keep this frame (and the request's megabytes) alive in
         a reference cycle until the next garbage collection."""
-        try:
+        declared = _declared_bytes(context.invocation_metadata())
+        if isinstance(declared, _Abort):
+            return declared
+        if declared is not None:  # chunked: admitted by its declared size before it is read
+            if declared > self.limits.max_message_bytes:
+                return _Abort("RESOURCE_EXHAUSTED",
+                              f"the request declares {declared} bytes, above this shard's "
+                              f"max_message_bytes={self.limits.max_message_bytes}. Fix: use "
+                              "more shards or a partitioner to split big tensors")
+            try:
+                await asyncio.wait_for(self._admit_big(declared), timeout=self.body_timeout)
+            except asyncio.TimeoutError:
+                return _Abort("DEADLINE_EXCEEDED", f"request not admitted within body_timeout="
+                              f"{self.body_timeout:g} s (bigger requests held the shard)")
+            try:
+                return await self._serve_chunked(context, declared)
+            finally:
+                self._release_big(declared)
+        try:  # one message, which gRPC caps at wire.REQUEST_CHUNK_BYTES
             request = await asyncio.wait_for(context.read(), timeout=self.body_timeout)
         except asyncio.TimeoutError:
             return _Abort("DEADLINE_EXCEEDED", f"request body not received within "
@@ -439,13 +477,10 @@ class ShardServer:
         if not isinstance(request, bytes):
             return _Abort("INVALID_ARGUMENT", "the call carried no request message")
         size = len(request)
-        if self._inflight_bytes + size > self.max_inflight_bytes:
+        refused = self._over_inflight(size)
+        if refused is not None:
             del request  # dropped at once: that is the point of the bound
-            return _Abort("RESOURCE_EXHAUSTED",
-                          f"the shard already holds {self._inflight_bytes} bytes of requests "
-                          f"in progress; this one ({size} bytes) would pass its bound "
-                          f"max_inflight_bytes={self.max_inflight_bytes}. Retry later, or "
-                          "send smaller requests")
+            return refused
         self._inflight_bytes += size
         try:
             return await self._serve_body(request, context)
@@ -454,7 +489,143 @@ class ShardServer:
             if size >= _TRIM_BYTES:
                 self._trim_soon()
 
-    async def _serve_body(self, request: bytes, context: grpc.aio.ServicerContext
+    def _over_inflight(self, size: int) -> _Abort | None:
+        if self._inflight_bytes + size <= self.max_inflight_bytes:
+            return None
+        return _Abort("RESOURCE_EXHAUSTED",
+                      f"the shard already holds {self._inflight_bytes} bytes of requests "
+                      f"in progress; this one ({size} bytes) would pass its bound "
+                      f"max_inflight_bytes={self.max_inflight_bytes}. Retry later, or "
+                      "send smaller requests")
+
+    async def _admit_big(self, declared: int) -> None:
+        """Wait until a chunked request of ``declared`` bytes may be received and served.
+
+        Peak shard memory: gRPC's receive path costs about three times the message it is
+        assembling, so requests longer than wire.REQUEST_CHUNK_BYTES come in chunks, each
+        written into a buffer of the declared size. Chunked requests are received and
+        served at once only up to ``max_receiving_bytes`` (a quarter of
+        ``max_inflight_bytes``; one request always may): the others wait here, unread, with
+        one HTTP/2 window each (BDP probing is off, see _options). So eight concurrent 12 MiB
+        registers against a 64 MiB quota and a 40 MiB in-flight bound are taken one after
+        another: the peak is what registering keeps (the quota) plus about one request,
+        where before the fix gRPC held all eight bodies at once in three copies each."""
+        assert self._received is not None
+        while (self._receiving_bytes
+               and self._receiving_bytes + declared > self.max_receiving_bytes):
+            await self._received.wait()
+        self._receiving_bytes += declared
+
+    def _release_big(self, declared: int) -> None:
+        self._receiving_bytes -= declared
+        if self._received is not None:
+            done, self._received = self._received, asyncio.Event()
+            done.set()
+
+    async def _serve_chunked(self, context: grpc.aio.ServicerContext, declared: int
+                             ) -> bytes | _Abort:
+        refused = self._over_inflight(declared)
+        if refused is not None:
+            return refused
+        self._inflight_bytes += declared
+        try:
+            try:
+                body = await asyncio.wait_for(self._receive(context, declared),
+                                              timeout=self.body_timeout)
+            except asyncio.TimeoutError:
+                return _Abort("DEADLINE_EXCEEDED", f"request body not received within "
+                              f"body_timeout={self.body_timeout:g} s")
+            if isinstance(body, _Abort):
+                return body
+            return await self._serve_body(body, context)
+        finally:
+            self._inflight_bytes -= declared
+            if declared >= _TRIM_BYTES:
+                self._trim_soon()
+
+    async def _receive(self, context: grpc.aio.ServicerContext, declared: int
+                       ) -> bytearray | _Abort:
+        """A chunked request's bytes, written into a buffer of its declared size.
+
+        Its header is checked as soon as it has arrived (:meth:`_check_header`), and only then
+        is the buffer allocated: a request that is malformed, or a registration that cannot
+        fit the quota, is refused after its first chunk, having cost that chunk, not its
+        declared size."""
+        head = bytearray()  # what arrived before the header could be checked
+        buf: bytearray | None = None
+        got = 0
+        while True:
+            chunk = await context.read()
+            if chunk is grpc.aio.EOF:
+                break
+            if not isinstance(chunk, bytes):
+                return _Abort("INVALID_ARGUMENT", "the call carried no request message")
+            if got + len(chunk) > declared:
+                return _Abort("INVALID_ARGUMENT",
+                              f"the request carries more than the {declared} bytes its "
+                              f"{wire.SIZE_METADATA_KEY!r} metadata declares")
+            if buf is not None:
+                buf[got:got + len(chunk)] = chunk
+                got += len(chunk)
+                del chunk
+                continue
+            head += chunk  # amortised: many tiny chunks cost no quadratic copying
+            got += len(chunk)
+            del chunk
+            head_end = wire.frame_length(head)
+            if head_end is None or (got < min(head_end, declared)
+                                    and head_end - 12 <= self.limits.max_header_bytes):
+                continue  # the header has not all arrived yet
+            refused = await self._check_header(head, head_end)
+            if refused is not None:
+                return refused
+            buf = bytearray(declared)
+            buf[:got] = head
+            head = bytearray()
+        if got != declared or buf is None:
+            return _Abort("INVALID_ARGUMENT",
+                          f"the request ended after {got} of the {declared} bytes its "
+                          f"{wire.SIZE_METADATA_KEY!r} metadata declares")
+        return buf
+
+    async def _check_header(self, head: bytearray, head_end: int) -> _Abort | None:
+        """Refuse a chunked request by its header, before the rest of it is received: a
+        malformed header or unknown op, or a ``register`` whose new tensors alone (their
+        declared bytes plus the per-slot overhead, a lower bound of what registering them
+        charges) would pass ``max_bytes``. The quota is checked again, exactly, when the
+        request is served; this check only spares receiving (and holding) a request that
+        cannot fit. A long header is parsed on a tensor thread, not the loop."""
+        try:
+            if head_end - 12 <= _INLINE_HEADER_BYTES:
+                op, _, metas = wire.decode_header(head, self.limits)
+            else:
+                op, _, metas = await self._offload(wire.decode_header, head, self.limits)
+        except WireError as exc:
+            return _Abort(exc.status, str(exc))
+        if op not in self._ops and op != "wait_version":
+            return _Abort("INVALID_ARGUMENT", f"unknown op {op!r}; valid: "
+                          f"{sorted([*self._ops, 'wait_version'])}")
+        if op != "register":
+            return None
+        new: dict[str, int] = {}
+        for m in metas:  # claims, checked when the request is decoded: count only sane ones
+            if not isinstance(m, dict):
+                continue
+            name, nbytes = m.get("name"), m.get("nbytes")
+            if (isinstance(name, str) and isinstance(nbytes, int) and nbytes >= 0
+                    and name not in self._slots):
+                new[name] = max(new.get(name, 0), int(nbytes) + rules.SLOT_OVERHEAD_BYTES)
+        adding, charged = sum(new.values()), self._charged
+        if charged + adding <= self.max_bytes:
+            return None
+        return _Abort("RESOURCE_EXHAUSTED",
+                      f"register: the request's {len(new)} new tensors need at least {adding} "
+                      f"bytes, and shard {self.address} holds {charged} of its quota "
+                      f"max_bytes={self.max_bytes} (refused from the request's header, before "
+                      "its tensors were received). Fix: use more shards, or start the shard "
+                      "with a larger --max-bytes")
+
+    async def _serve_body(self, request: bytes | bytearray, context: grpc.aio.ServicerContext
                           ) -> bytes | _Abort:
         assert self._loop is not None and self._executor is not None
         failure: _Abort
@@ -520,7 +691,7 @@ class ShardServer:
                        f"{type(exc).__name__}{at}: {str(exc)[:300]}")
         return _Abort("INTERNAL", f"{type(exc).__name__}: {exc}")
 
-    def _decode(self, request: bytes) -> Message:
+    def _decode(self, request: bytes | bytearray) -> Message:
         msg = wire.decode(request, self.limits)
         if msg.op not in self._ops and msg.op != "wait_version":
             raise _err(f"unknown op {msg.op!r}; valid: {sorted([*self._ops, 'wait_version'])}")
@@ -566,7 +737,7 @@ class ShardServer:
             return msg
         return self._ops[msg.op](msg)
 
-    def _run(self, request: bytes) -> bytes | Message:
+    def _run(self, request: bytes | bytearray) -> bytes | Message:
         return self._dispatch(self._decode(request))
 
     # -- helpers --------------------------------------------------------------------------
@@ -982,7 +1153,19 @@ class ShardServer:
         return wire.encode("ok", {"stopping": True})
 
 
-def _header_bytes(request: bytes) -> int:
+def _declared_bytes(metadata: Any) -> int | None | _Abort:
+    """The total size a chunked request declares in its metadata (None: not chunked)."""
+    for key, value in metadata or ():
+        if key == wire.SIZE_METADATA_KEY:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            if not (text.isascii() and text.isdigit() and len(text) <= 12):
+                return _Abort("INVALID_ARGUMENT", f"metadata {wire.SIZE_METADATA_KEY!r} must "
+                              f"be a byte count (decimal digits), got {text[:20]!r}")
+            return int(text)
+    return None
+
+
+def _header_bytes(request: bytes | bytearray) -> int:
     """The JSON header length a request's frame prefix declares (0 if it has none)."""
     return int.from_bytes(request[8:12], "little") if len(request) >= 12 else 0
 

@@ -208,6 +208,9 @@ class PSClient:
             self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         # request_serializer/response_deserializer None: raw bytes both ways.
         self._stubs = [ch.unary_unary(wire.METHOD) for ch in self._channels]
+        # The same method, for a request longer than wire.REQUEST_CHUNK_BYTES: sent in chunks
+        # with its length declared, so the shard admits it before receiving it (wire docs).
+        self._chunked = [ch.stream_unary(wire.METHOD) for ch in self._channels]
         self._threads = _CallThreads()
         self._stats_lock = threading.Lock()
         self.bytes_sent = 0
@@ -240,8 +243,13 @@ class PSClient:
         while True:
             timeout = max(0.001, due - time.monotonic())
             try:
-                reply: bytes = self._stubs[shard](data, timeout=timeout,
-                                                  metadata=self._metadata)
+                reply: bytes
+                if len(data) > wire.REQUEST_CHUNK_BYTES:
+                    md = (*(self._metadata or ()), (wire.SIZE_METADATA_KEY, str(len(data))))
+                    reply = self._chunked[shard](wire.request_chunks(data), timeout=timeout,
+                                                 metadata=md)
+                else:
+                    reply = self._stubs[shard](data, timeout=timeout, metadata=self._metadata)
                 return reply
             except grpc.RpcError as exc:
                 if not _refused_stream(exc) or time.monotonic() + pause >= due:

@@ -21,6 +21,13 @@ schema, dtype allow-list, ``prod(shape) * itemsize == nbytes``, bounds, counts) 
 tensor is materialised, and tensors are zero-copy views (``torch.frombuffer``) of the received
 ``bytes``. A malformed message raises :class:`WireError` carrying the gRPC status the server
 answers with (``INVALID_ARGUMENT`` or ``RESOURCE_EXHAUSTED``).
+
+A request longer than :data:`REQUEST_CHUNK_BYTES` travels as a client stream of chunks of at
+most that size (the same bytes, cut), with its total length declared in the call's metadata
+(:data:`SIZE_METADATA_KEY`); a shorter one is one gRPC message, as before. The shard caps one
+gRPC message at :data:`REQUEST_CHUNK_BYTES`, so it can admit a big request by its declared size
+before a byte of it is received (see :class:`stratagem.ps.server.ShardServer`). Replies stay
+one message.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +50,11 @@ __all__ = [
     "FORMAT_VERSION",
     "METHOD",
     "TOKEN_METADATA_KEY",
+    "SIZE_METADATA_KEY",
+    "REQUEST_CHUNK_BYTES",
+    "request_chunks",
+    "frame_length",
+    "decode_header",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DTYPES",
     "Limits",
@@ -61,6 +73,22 @@ FORMAT_VERSION = 1
 #: The single gRPC method every operation goes through (the op is named in the header).
 METHOD = "/stratagem.ps.v1.Shard/Call"
 TOKEN_METADATA_KEY = "x-stratagem-token"
+#: The metadata key that declares a chunked request's total length (decimal bytes).
+SIZE_METADATA_KEY = "x-stratagem-request-bytes"
+#: The largest gRPC message a shard receives: longer requests are sent as chunks of this size.
+#: Why chunks: grpcio (1.85) turns a received message into ``bytes`` through two more copies
+#: (its slices, then per-slice ``bytes``, then their join), so one 12 MiB message peaks at
+#: +36 MiB in the receiving process, and the shard cannot see a message's size before gRPC has
+#: received all of it. Chunks cost one chunk's copies at a time, are written into a buffer of
+#: the declared size, and let the shard bound what it receives before receiving it.
+#: Why 1 MiB: every chunk costs CPU on both ends (a read through the shard's event loop; on
+#: the client, gRPC's feeding thread), so fewer is faster: a loopback 8 MB push+fetch as one
+#: request lost 20-30% of its throughput with 1 MiB chunks and more with 256 KiB ones
+#: (docs/reliability.md). But a shard holds gRPC buffers of several chunks while it receives
+#: (about 8 MiB with 1 MiB chunks, 2.5 MiB with 256 KiB), and with 2 MiB chunks the peak of the
+#: concurrent-register probe reached 1.25x the quota. Requests of at most 1 MiB (the default
+#: bucket size of ``ParameterServer``) are one message and pay nothing.
+REQUEST_CHUNK_BYTES = 1 << 20
 #: gRPC caps a message at 2 GiB - 1; 1 GiB leaves room and is far above a typical shard slice.
 DEFAULT_MAX_MESSAGE_BYTES = flags.DEFAULT_MAX_MESSAGE_BYTES
 
@@ -148,6 +176,13 @@ class Message:
 
     def versions(self) -> dict[str, int]:
         return {e.name: e.version for e in self.entries if e.version is not None}
+
+
+def request_chunks(data: bytes) -> Iterator[bytes]:
+    """``data`` cut into the chunks of a chunked request (see :data:`REQUEST_CHUNK_BYTES`)."""
+    view = memoryview(data)
+    for start in range(0, len(data), REQUEST_CHUNK_BYTES):
+        yield bytes(view[start:start + REQUEST_CHUNK_BYTES])
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -261,13 +296,28 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def decode(data: bytes, limits: Limits | None = None) -> Message:
-    """Validate and decode one message; raises :class:`WireError` on anything malformed."""
-    lim = limits or Limits()
+def frame_length(first: bytes | bytearray | memoryview) -> int | None:
+    """The length of a message's frame prefix plus JSON header, read from its first bytes
+    (None while fewer than the prefix's 12 bytes are there). Nothing is checked here:
+    :func:`decode_header` checks the prefix and the header."""
+    if len(first) < _PREFIX.size:
+        return None
+    return _PREFIX.size + int.from_bytes(first[8:12], "little")
+
+
+def decode_header(data: bytes | bytearray, limits: Limits | None = None
+                  ) -> tuple[str, dict[str, Any], list[Any]]:
+    """The op, fields and (unchecked) tensor entries of a message's header, read from its
+    first :func:`frame_length` bytes or more: what a receiver can refuse a message by before
+    the rest of it (the tensors' bytes) has arrived. Checks the prefix and the header as
+    :func:`decode` does (raises :class:`WireError`); the entries are checked by :func:`decode`
+    only, so a caller may use them as claims, not facts."""
+    op, fields, metas, _ = _header(data, limits or Limits())
+    return op, fields, metas
+
+
+def _header(data: bytes | bytearray, lim: Limits) -> tuple[str, dict[str, Any], list[Any], int]:
     size = len(data)
-    if size > lim.max_message_bytes:
-        raise WireError(f"message of {size} bytes exceeds max_message_bytes="
-                        f"{lim.max_message_bytes}", status="RESOURCE_EXHAUSTED")
     if size < _PREFIX.size:
         raise WireError(f"message of {size} bytes is shorter than the {_PREFIX.size}-byte frame "
                         "prefix; not a stratagem parameter-server message")
@@ -312,6 +362,17 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
     if len(metas) > lim.max_tensors:
         raise WireError(f"{len(metas)} tensors exceed max_tensors={lim.max_tensors}",
                         status="RESOURCE_EXHAUSTED")
+    return op, fields, metas, head_end
+
+
+def decode(data: bytes | bytearray, limits: Limits | None = None) -> Message:
+    """Validate and decode one message; raises :class:`WireError` on anything malformed."""
+    lim = limits or Limits()
+    size = len(data)
+    if size > lim.max_message_bytes:
+        raise WireError(f"message of {size} bytes exceeds max_message_bytes="
+                        f"{lim.max_message_bytes}", status="RESOURCE_EXHAUSTED")
+    op, fields, metas, head_end = _header(data, lim)
     payload_start = _align(head_end)
     payload_len = size - payload_start
     checked: list[tuple[str, torch.dtype, list[int], int, int, int | None]] = []
