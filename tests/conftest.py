@@ -6,6 +6,9 @@ import torch
 # Ranks run as threads: keep torch's own intra-op pool small on a 2-core machine.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torchft's Rust servers log every quorum at INFO unless RUST_LOG says otherwise, and read it
+# once, at torchft's first import (which a test module may do before stratagem sets it).
+os.environ.setdefault("RUST_LOG", "warn")
 
 
 @pytest.fixture(autouse=True)
