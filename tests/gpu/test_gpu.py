@@ -14,7 +14,9 @@
 Everything here is skipped without CUDA (``conftest.py``). Written against the code paths
 (``Strategy(device=)``, ``prepare``'s ``module.to(device)``, ``DistributedLoader``'s
 ``move_to_device``, ``Comm.from_env``'s backend choice, ``ps.wire``'s host copy,
-``checkpoint``'s ``.cpu()``) on a machine without a GPU: not yet run on one.
+``checkpoint``'s ``.cpu()``) on a machine without a GPU. First run on a GPU on 2026-11-26: one
+NVIDIA H200, torch 2.11.0+cu130, ``make test-gpu``: 7 passed, 1 skipped (the two-GPU Sharded
+test), 43 s.
 """
 
 from __future__ import annotations

@@ -86,8 +86,10 @@ SIZE_METADATA_KEY = "x-stratagem-request-bytes"
 #: request lost 20-30% of its throughput with 1 MiB chunks and more with 256 KiB ones
 #: (docs/reliability.md). But a shard holds gRPC buffers of several chunks while it receives
 #: (about 8 MiB with 1 MiB chunks, 2.5 MiB with 256 KiB), and with 2 MiB chunks the peak of the
-#: concurrent-register probe reached 1.25x the quota. Requests of at most 1 MiB (the default
-#: bucket size of ``ParameterServer``) are one message and pay nothing.
+#: concurrent-register probe reached 1.25x the quota. Requests of at most 1 MiB (buckets of
+#: ``bucket_cap_mb`` <= 1, the default towards a shard on another machine) are one message and
+#: pay nothing; with every shard on this machine the default is one call per shard, which
+#: chunks once a shard's slice passes 1 MiB (the demo's 1.08 MB step: PS ~20 % slower).
 REQUEST_CHUNK_BYTES = 1 << 20
 #: gRPC caps a message at 2 GiB - 1; 1 GiB leaves room and is far above a typical shard slice.
 DEFAULT_MAX_MESSAGE_BYTES = flags.DEFAULT_MAX_MESSAGE_BYTES
