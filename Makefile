@@ -20,12 +20,17 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 src > /dev/null
 	$(BIN)/stratagem demo
 
 # Two pytest workers (pytest-xdist), a test file each: launched-process tests spend much of
 # their time waiting (start-up, timeouts, restarts), so two at a time fit 2 cores. One quiet
 # run: 499 s of pytest, 1.7 cores busy; the last run one test at a time took 736 s.
+# compileall first: the suite starts many processes (sg.launch, stratagem run, spawned ranks),
+# each importing stratagem and a test module. Where PYTHONDONTWRITEBYTECODE is set (as on
+# this project's machines) nothing caches their bytecode, so each process compiled them again.
 test: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 src tests examples > /dev/null
 	$(BIN)/python -m pytest -x -n 2 --dist loadfile --durations=15
 
 # The CUDA checks (tests/gpu), with the torch already installed (a CUDA build): no install
