@@ -15,7 +15,7 @@ import stratagem as sg
 
 pytestmark = pytest.mark.timeout(600)  # one 4-process launch on a shared 2-core machine
 
-EPOCHS = 4
+EPOCHS = 3
 
 
 def _job(root: str) -> dict[str, Any]:
