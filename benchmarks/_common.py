@@ -377,6 +377,35 @@ def write_report(name: str, meta: dict[str, Any], rows: list[dict[str, Any]],
     print("\n".join(lines))
 
 
+def read_text(path: Path) -> str:
+    """``path``'s text, or "" when it does not exist (yet) or cannot be read."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def ft_stamps(out: Path, slot: int) -> list[tuple[int, float]]:
+    """``(step, time)`` of every step ``tests/ft_scripts/train_ft.py`` (or the torchft
+    baseline) committed on ``slot``, from ``OUT/times.<slot>``; a line still being written is
+    skipped."""
+    rows = []
+    for line in read_text(out / f"times.{slot}").splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            rows.append((int(parts[0]), float(parts[1])))
+    return rows
+
+
+def ft_progress(out: Path, slot: int) -> int:
+    """The last step ``slot`` wrote to ``OUT/progress.<slot>`` (0 before the first, or while
+    the file is being rewritten)."""
+    try:
+        return int(read_text(out / f"progress.{slot}") or 0)
+    except ValueError:
+        return 0
+
+
 def split_list(text: str) -> list[str]:
     """``"a, b,,c"`` -> ``["a", "b", "c"]`` (a comma-list flag)."""
     return [s.strip() for s in text.split(",") if s.strip()]

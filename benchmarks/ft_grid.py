@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import split_list, write_report
+from _common import ft_progress, ft_stamps, read_text, split_list, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "tests" / "ft_scripts" / "train_ft.py"
@@ -69,35 +69,11 @@ SHARE = 15  # samples per worker per step (global batch 60)
 SYSTEMS = ("ft-mirrored", "ft-diloco", "restart-all", "torchft")
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def _stamps(out: Path, slot: int) -> list[tuple[int, float]]:
-    rows = []
-    for line in _read(out / f"times.{slot}").splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            rows.append((int(parts[0]), float(parts[1])))
-    return rows
-
-
-def _progress(out: Path) -> int:
-    best = 0
-    for s in range(NPROC):
-        with contextlib.suppress(ValueError):
-            best = max(best, int(_read(out / f"progress.{s}") or 0))
-    return best
-
-
 def _live(out: Path) -> list[int]:
     """Slots whose latest process runs and has committed a step since it started."""
     live = []
     for s in range(NPROC):
-        pids = _read(out / f"pids.{s}").split()
+        pids = read_text(out / f"pids.{s}").split()
         if not pids:
             continue
         try:
@@ -116,7 +92,7 @@ def _kill_tree(pid: int) -> None:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int(_read(entry / "stat").rsplit(")", 1)[1].split()[1])
+                ppid = int(read_text(entry / "stat").rsplit(")", 1)[1].split()[1])
                 children.setdefault(ppid, []).append(int(entry.name))
     todo, tree = [pid], []
     while todo:
@@ -135,9 +111,12 @@ class _TorchftJob:
     def __init__(self, out: Path, worker_args: list[str], env: dict[str, str]) -> None:
         from torchft.coordination import LighthouseServer
 
+        from stratagem.ft.launch import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS
+
         # The same Lighthouse settings as stratagem's QuorumService (stratagem.ft.launch).
         self.lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1,
-                                           join_timeout_ms=1000, heartbeat_timeout_ms=1000,
+                                           join_timeout_ms=JOIN_TIMEOUT_MS,
+                                           heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
                                            quorum_tick_ms=50)
         self.cmd = [sys.executable, str(TORCHFT), "--out", str(out), *worker_args]
         # torchrun (the stratagem runs) sets OMP_NUM_THREADS=1 for several workers: the same.
@@ -230,18 +209,18 @@ def run(system: str, period: float | None, args: argparse.Namespace) -> dict[str
         if period is None:
             continue
         if next_kill is None:
-            if any(_read(out / f"times.{s}") for s in range(NPROC)):
+            if any(read_text(out / f"times.{s}") for s in range(NPROC)):
                 next_kill = time.time() + period
             continue
-        progress = max(progress, _progress(out))
+        progress = max(progress, *(ft_progress(out, s) for s in range(NPROC)))
         if time.time() < next_kill or progress >= args.kill_until * args.steps:
             continue
         live = _live(out)
         if not live:
             continue
         slot = rng.choice(live)
-        before = max((st for s in range(NPROC) for st, _ in _stamps(out, s)), default=0)
-        pid = int(_read(out / f"pids.{slot}").split()[-1])
+        before = max((st for s in range(NPROC) for st, _ in ft_stamps(out, s)), default=0)
+        pid = int(read_text(out / f"pids.{slot}").split()[-1])
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             at = time.time()
@@ -259,14 +238,14 @@ def run(system: str, period: float | None, args: argparse.Namespace) -> dict[str
         torchft_job.finish()
     log.close()
     if rc != 0:
-        tail = _read(out / "job.log")[-3000:] + _read(out / "torchft.log")[-3000:]
+        tail = read_text(out / "job.log")[-3000:] + read_text(out / "torchft.log")[-3000:]
         raise SystemExit(f"{system} (T={period}) failed with {rc} (see {out}):\n{tail}")
     return _measure(system, period, out, kills, wall, args)
 
 
 def _measure(system: str, period: float | None, out: Path, kills: list[dict[str, Any]],
              wall: float, args: argparse.Namespace) -> dict[str, Any]:
-    stamps = {s: _stamps(out, s) for s in range(NPROC)}
+    stamps = {s: ft_stamps(out, s) for s in range(NPROC)}
     first: dict[int, float] = {}
     for rows in stamps.values():
         for step, t in rows:
@@ -277,12 +256,12 @@ def _measure(system: str, period: float | None, out: Path, kills: list[dict[str,
     slot_steps = sum(len({st for st, _ in rows}) for rows in stamps.values())
     accs = []
     for s in range(NPROC):
-        text = _read(out / f"acc.{s}").split()
+        text = read_text(out / f"acc.{s}").split()
         if text:
             accs.append(float(text[0]))
     # Heals after the first kill (the start-up syncs at step 0 do not count).
     first_kill = kills[0]["at"] if kills else float("inf")
-    heals = [int(f[1]) for s in range(NPROC) for f in map(str.split, _read(
+    heals = [int(f[1]) for s in range(NPROC) for f in map(str.split, read_text(
         out / f"heal.{s}").splitlines()) if len(f) == 4 and float(f[3]) > first_kill]
     result: dict[str, Any] = {
         "system": system, "period_s": period, "kills": len(kills), "wall_s": wall,
@@ -291,7 +270,7 @@ def _measure(system: str, period: float | None, out: Path, kills: list[dict[str,
         "median_step_ms": 1e3 * statistics.median(diffs[len(diffs) // 10:]),
         "accuracy": statistics.mean(accs) if accs else float("nan"),
         "finished": len(accs),
-        "restarts_per_slot": [len(_read(out / f"pids.{s}").split()) - 1 for s in range(NPROC)],
+        "restarts_per_slot": [len(read_text(out / f"pids.{s}").split()) - 1 for s in range(NPROC)],
         "heals": len(heals), "heal_bytes": heals,
         "kill_slots": [k["slot"] for k in kills],
     }

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torchft.checkpointing.http_transport as http_transport
-import torchft.manager as tm
 from safetensors.torch import save_file
 from torchft import Manager
 from torchft.checkpointing.http_transport import HTTPTransport
@@ -46,7 +45,7 @@ from torchft.checkpointing.http_transport import HTTPTransport
 from stratagem._rendezvous import bound_tcp_store
 from stratagem.data import DistributedLoader
 from stratagem.demo import MLP, load_mnist5k
-from stratagem.ft.comm import loopback_gloo_group
+from stratagem.ft.comm import loopback_gloo_group, loopback_manager_server
 
 HOST = "127.0.0.1"
 NSLOTS = 4
@@ -113,10 +112,8 @@ def main() -> None:
     # torchft's group with its rendezvous store bound to loopback (torchft's own listens on
     # every interface): the one change this baseline makes to torchft's group.
     pg = loopback_gloo_group(timeout, HOST)
-    original_server = tm.ManagerServer
     http_transport._IPv6HTTPServer = _LoopbackHTTPServer  # type: ignore[misc]
-    tm.ManagerServer = lambda **kw: original_server(**{**kw, "bind": f"{HOST}:0"})  # type: ignore[misc]
-    try:
+    with loopback_manager_server(HOST):
         manager = Manager(
             pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
             use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
@@ -126,8 +123,6 @@ def main() -> None:
             heartbeat_interval=timedelta(milliseconds=100),
             checkpoint_transport=LoopbackHTTPTransport(timeout=timeout, num_chunks=0),
             init_sync=True)
-    finally:
-        tm.ManagerServer = original_server  # type: ignore[misc]
     heal_seconds = 0.0
     while manager.current_step() < args.steps:
         t0 = time.perf_counter()

@@ -36,28 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import split_list, write_report
+from _common import ft_progress, ft_stamps, split_list, write_report
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ft_scripts" / "train_ft.py"
 NPROC = 4
 KILLS = ((1, 0.15), (2, 0.35), (3, 0.55))  # (slot, fraction of the steps)
-
-
-def _progress(out: Path, slot: int) -> int:
-    try:
-        return int((out / f"progress.{slot}").read_text() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _stamps(out: Path, slot: int) -> list[tuple[int, float]]:
-    rows = []
-    for line in (out / f"times.{slot}").read_text().splitlines():
-        step, t = line.split()
-        rows.append((int(step), float(t)))
-    return rows
 
 
 def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
@@ -73,7 +58,7 @@ def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
     if kills:
         for slot, frac in KILLS:
             deadline = time.monotonic() + 600
-            while _progress(out, slot) < frac * steps:
+            while ft_progress(out, slot) < frac * steps:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     proc.kill()
                     text = proc.communicate()[0].decode(errors="replace")
@@ -95,15 +80,16 @@ def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
     equal = len(finished) == NPROC and all(
         (v == st[k]).all() for st in states[1:] for k, v in states[0].items())
     accs = [float((out / f"acc.{s}").read_text().split()[0]) for s in finished]
-    rows = _stamps(out, 0)
+    rows = ft_stamps(out, 0)
     stamps = [t for _, t in rows]
     diffs = [b - a for a, b in zip(stamps, stamps[1:])]
     step = statistics.median(diffs[len(diffs) // 10:])
     # Committed samples: each slot's share of the global batch for every step it took part
     # in (a slot logs a step once it is applied; a missing slot's share is lost).
-    slot_steps = sum(len({step for step, _ in _stamps(out, s)}) for s in range(NPROC))
     if strategy.endswith("_keep"):  # keep_global_batch: every committed step trains N shares
-        slot_steps = NPROC * len({step for step, _ in _stamps(out, 0)})
+        slot_steps = NPROC * len({step for step, _ in ft_stamps(out, 0)})
+    else:
+        slot_steps = sum(len({step for step, _ in ft_stamps(out, s)}) for s in range(NPROC))
     result: dict[str, Any] = {
         "committed_slot_steps": slot_steps,
         "committed_slot_steps_per_s": slot_steps / (stamps[-1] - stamps[0]),
@@ -125,7 +111,7 @@ def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
         result["time_lost_per_kill_s"] = lost
         back = []
         for slot, at in killed:
-            later = [t for _, t in _stamps(out, slot) if t > at]
+            later = [t for _, t in ft_stamps(out, slot) if t > at]
             back.append(later[0] - at if later else float("nan"))
         result["kill_to_replacement_step_s"] = back
     return result

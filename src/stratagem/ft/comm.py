@@ -32,7 +32,7 @@ batch is not trained on while it is away (lost, never repeated).
 
 Listening sockets: the Lighthouse, each replica's manager server, heal transport and store
 bind ``host`` only (loopback on one node). torchft's manager server binds every interface
-(``[::]``) with no option to change it; :func:`_loopback_manager_server` rebinds it.
+(``[::]``) with no option to change it; :func:`loopback_manager_server` rebinds it.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from .._rendezvous import bound_tcp_store
 from ..comm import Comm
 from ..errors import PeerTimeoutError, StratagemError
 
-__all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "require_torchft"]
+__all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_manager_server",
+           "require_torchft"]
 
 #: Serialises the construction of managers (the manager-server rebinding patches a module
 #: attribute; tests build several managers at once in threads).
@@ -82,7 +83,7 @@ def require_torchft() -> Any:
 
 
 @contextlib.contextmanager
-def _loopback_manager_server(host: str) -> Iterator[None]:
+def loopback_manager_server(host: str) -> Iterator[None]:
     """Build torchft's manager server on ``host`` instead of every interface (``[::]``)."""
     import torchft.manager as tm
 
@@ -186,7 +187,7 @@ class FaultTolerantComm(Comm):
             transport = SafeHealTransport(token=token, host=host, timeout=timeout,
                                           max_bytes=max_heal_bytes, allow_remote=allow_remote)
         self.transport = transport
-        with _MANAGER_LOCK, _loopback_manager_server(host):
+        with _MANAGER_LOCK, loopback_manager_server(host):
             self.manager = Manager(
                 pg=self._pg, load_state_dict=self._load, state_dict=self._state,
                 min_replica_size=min_replicas, use_async_quorum=False,
