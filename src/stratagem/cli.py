@@ -215,10 +215,16 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
                         "(default: the interface this machine uses to reach --master-addr)")
     p.add_argument("--max-restarts", type=nonneg_int, default=None)
     p.add_argument("--fault-tolerant", action="store_true",
-                   help="keep training through lost workers (Mirrored, LocalSGD, DiLoCo, sync EASGD): "
+                   help="keep training through lost workers (Mirrored, LocalSGD, DiLoCo, sync EASGD; "
+                        "Hierarchical with --replica-group-size): "
                         "start the quorum service, restart a dead worker alone (up to "
                         "--max-restarts per worker, default 10) and heal it from a live peer; "
                         "needs stratagem[ft]")
+    p.add_argument("--replica-group-size", type=_nproc, default=1,
+                   help="with --fault-tolerant: processes per replica group (a node of "
+                        "--strategy hierarchical: sync inside, fault tolerant across); a "
+                        "process that dies takes its group down and the group is restarted "
+                        "whole. Must divide --nproc (default 1)")
     p.add_argument("--min-replicas", type=_nproc, default=1,
                    help="with --fault-tolerant: the fewest live workers training continues "
                         "with (a smaller quorum waits at most the strategy's timeout, then "
@@ -423,6 +429,10 @@ def _run(args: argparse.Namespace) -> int:
         env["STRATAGEM_STRATEGY_ARGS"] = json.dumps(strategy_args)
     if args.fault_tolerant:
         return _run_fault_tolerant(args, env)
+    if args.replica_group_size != 1:
+        print("stratagem run: error: --replica-group-size is for --fault-tolerant jobs. Fix: "
+              "add --fault-tolerant, or drop --replica-group-size", file=sys.stderr)
+        return 2
     _set_subreaper()
     before = _children()
     shards = start_ps_shards(args.num_ps) if args.num_ps else None
@@ -449,16 +459,23 @@ def _run_fault_tolerant(args: argparse.Namespace, env: dict[str, str]) -> int:
               "drop --nnodes/--master-addr/--num-ps, or launch without --fault-tolerant",
               file=sys.stderr)
         return 2
-    if args.min_replicas > args.nproc:
-        print(f"stratagem run: error: --min-replicas {args.min_replicas} is more than --nproc "
-              f"{args.nproc}. Fix: lower --min-replicas", file=sys.stderr)
+    size = args.replica_group_size
+    if args.nproc % size:
+        print(f"stratagem run: error: --replica-group-size {size} does not divide --nproc "
+              f"{args.nproc}. Fix: pass a divisor of --nproc", file=sys.stderr)
+        return 2
+    groups = args.nproc // size
+    if args.min_replicas > groups:
+        what = f"--nproc {args.nproc}" if size == 1 else f"the {groups} replica groups"
+        print(f"stratagem run: error: --min-replicas {args.min_replicas} is more than {what}. "
+              "Fix: lower --min-replicas", file=sys.stderr)
         return 2
     extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
     extra.setdefault("RUST_LOG", "warn")
     try:
         launch(run_script, nprocs=args.nproc, args=(args.script, list(args.script_args),
                                                      args.module),
-               env=extra, fault_tolerant=True, min_replicas=args.min_replicas,
+               env=extra, fault_tolerant=True, min_replicas=args.min_replicas, nnodes=groups,
                max_restarts=args.max_restarts)
     except WorkerError as e:
         print(f"stratagem run: {e}", file=sys.stderr)

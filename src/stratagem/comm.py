@@ -266,6 +266,12 @@ class Comm:
         quorum's under fault tolerance)."""
         return list(range(self.num_slots))
 
+    #: Processes per fault-tolerant replica group (``stratagem.ft``: a node of
+    #: ``Hierarchical`` is one replica; its processes train synchronously inside it). 1 here.
+    replica_group_size = 1
+    #: This process's place in its replica group (0 here).
+    replica_group_rank = 0
+
     def ddp_group(self) -> dist.ProcessGroup | None:
         """The process group ``DistributedDataParallel`` is built on: this Comm's own."""
         return self.group
@@ -805,17 +811,52 @@ class RelayComm(Comm):
     """
 
     def __init__(self, intra: Comm, inter: Comm) -> None:
-        super().__init__(inter.group, inter.rank, inter.world_size, timeout=inter.timeout,
-                         heartbeat=False, device=inter.device)
         self.intra = intra
         self.inter = inter
+        super().__init__(inter.group, inter.rank, inter.world_size, timeout=inter.timeout,
+                         heartbeat=False, device=inter.device)
+
+    # Rank, size and transactions are the cross-node Comm's, read when asked: under fault
+    # tolerance (``stratagem.ft``) the nodes are replica groups whose quorum changes.
+    @property  # type: ignore[override]
+    def rank(self) -> int:
+        return self.inter.rank
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        pass  # always the cross-node Comm's
+
+    @property  # type: ignore[override]
+    def world_size(self) -> int:
+        return self.inter.world_size
+
+    @world_size.setter
+    def world_size(self, value: int) -> None:
+        pass
+
+    @property  # type: ignore[override]
+    def fault_tolerant(self) -> bool:  # type: ignore[override]
+        return self.inter.fault_tolerant
+
+    def begin(self) -> None:
+        self.inter.begin()
+
+    def commit(self) -> bool:
+        return self.inter.commit()
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.inter.in_transaction
+
+    @property
+    def collectives_pending(self) -> bool:
+        return self.inter.collectives_pending
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
         local = self.intra.world_size
         n = tensor.numel()
-        if local == 1 or n < local * _RELAY_MIN_CHUNK:
+        if local == 1 or n < local * _RELAY_MIN_CHUNK or self.world_size == 1:
+            # (a fault-tolerant Comm alone in its quorum still counts the collective)
             return self.inter.all_reduce(tensor, op)
         assert tensor.is_contiguous()
         flat = tensor.view(-1)
@@ -842,9 +883,13 @@ class RelayComm(Comm):
         return self.inter.all_gather(tensor)
 
     def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
-        # all_reduce_quantized, inherited, thus runs on the cross-node group: every local
-        # rank sends the whole (quantized) tensor across nodes, unlike the relayed all_reduce.
         return self.inter.all_to_all(tensor)
+
+    def all_reduce_quantized(self, tensor: torch.Tensor, kind: str, **kwargs: Any
+                             ) -> torch.Tensor:
+        # On the cross-node group: every local rank sends the whole (quantized) tensor across
+        # nodes, unlike the relayed all_reduce.
+        return self.inter.all_reduce_quantized(tensor, kind, **kwargs)
 
     def split(self, groups: Sequence[Sequence[int]], *, name: str = "split") -> Comm:
         raise NotImplementedError("split the underlying Comms, not a RelayComm")

@@ -628,7 +628,10 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     ``Mirrored``, ``LocalSGD``, ``DiLoCo``), and restarts a dead worker alone
     (``restart="failed"``, ``max_restarts`` 10 per worker unless given): the survivors keep
     training without it and heal it from a live peer when it is back. ``min_replicas`` is the
-    fewest replicas a quorum may have.
+    fewest replicas a quorum may have. With ``nnodes=K`` each simulated node is one replica
+    group of ``nprocs // K`` processes (``Hierarchical``: sync inside, fault tolerant
+    across): a dead process takes its group down, and the launcher restarts that whole
+    group (``min_replicas`` then counts groups).
     """
     check_int("nprocs", nprocs, minimum=1, fix="pass e.g. nprocs=2")
     check_int("num_ps", num_ps, minimum=0, fix="pass 0 for no shards")
@@ -640,14 +643,15 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     check_int("min_replicas", min_replicas, minimum=1,
               fix="pass the fewest live replicas training may continue with, e.g. 2")
     if fault_tolerant:
-        if num_ps or nnodes != 1:
+        if num_ps:
             raise ValueError(
-                f"fault_tolerant=True runs replicated strategies on one node for now, got "
-                f"num_ps={num_ps}, nnodes={nnodes}. Fix: drop num_ps/nnodes, or launch "
-                "without fault tolerance")
-        if min_replicas > nprocs:
-            raise ValueError(f"min_replicas must be <= nprocs, got min_replicas={min_replicas} "
-                             f"> nprocs={nprocs}. Fix: lower min_replicas")
+                f"fault_tolerant=True runs synchronous strategies, without parameter-server "
+                f"shards; got num_ps={num_ps}. Fix: drop num_ps, or launch without fault "
+                "tolerance")
+        if min_replicas > nnodes if nnodes > 1 else min_replicas > nprocs:
+            what = f"the replica groups (nnodes={nnodes})" if nnodes > 1 else f"nprocs={nprocs}"
+            raise ValueError(f"min_replicas must be <= {what}, got min_replicas="
+                             f"{min_replicas}. Fix: lower min_replicas")
         restart = "failed"
     check_choice("restart", restart, ("all", "failed"),
                  fix="'failed' restarts only the dead worker (async strategies without a "
@@ -675,7 +679,10 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         if fault_tolerant:
             from .ft.launch import QuorumService
 
-            quorum = QuorumService(num_slots=nprocs, min_replicas=min_replicas)
+            quorum = QuorumService(num_slots=nprocs if nnodes == 1 else nnodes,
+                                   min_replicas=min_replicas)
+        # Fault tolerant on K simulated nodes: each node is one replica group.
+        group = nprocs // nnodes if fault_tolerant and nnodes > 1 else 1
         base = {**os.environ, **(env or {})}
         port = store.port
 
@@ -687,7 +694,12 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                 wenv.update(shards.env())  # the shards' token file (issue 11)
             wenv.update(env or {})
             if quorum is not None:
-                wenv.update(quorum.env(rank))
+                wenv.update(quorum.env(rank // group))
+                if group > 1:
+                    from .ft.env import GROUP_RANK_ENV, GROUP_SIZE_ENV
+
+                    wenv.update({GROUP_RANK_ENV: str(rank % group),
+                                 GROUP_SIZE_ENV: str(group)})
             wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
             return wenv
 
@@ -767,13 +779,29 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             # The same exception twice in a row from one worker is a bug, not bad luck: no
             # restart will mend it.
             repeated = [r for r in dead if r in sup.errors and sup.describe(r) == last.get(r)]
-            last.update({r: sup.describe(r) for r in dead})
+            if group > 1:
+                # A replica group goes down with any of its processes: the others fail in
+                # the group's collectives (the same error each time). The group's failure
+                # repeats only when every dead member's does.
+                dead = sorted({m for r in dead for m in range(r - r % group, r - r % group
+                                                              + group)})
+                repeated = [r for r in repeated
+                            if all(m in repeated
+                                   for m in range(r - r % group, r - r % group + group))]
+            last.update({r: sup.describe(r) for r in dead if r in sup.exited})
             if restart == "failed" and not repeated \
                     and all(attempts[r] < max_restarts for r in dead):
+                if group > 1:  # one life number for every process of a restarted group
+                    for r in dead:
+                        attempts[r] = max(attempts[m] for m in dead if m // group == r // group)
                 for r in dead:
                     attempts[r] += 1
                     # Say why: a worker restarted in silence hides the bug that kills it.
-                    print(f"stratagem: {sup.describe(r)}; restarting worker {r} alone (restart "
+                    why = (sup.describe(r) if r in sup.exited
+                           else f"worker {r} is in replica group {r // group}, which lost a "
+                                "process")
+                    alone = "alone" if group == 1 else f"with its replica group {r // group}"
+                    print(f"stratagem: {why}; restarting worker {r} {alone} (restart "
                           f"{attempts[r]} of {max_restarts})", file=sys.stderr, flush=True)
                     sup.restart(r, *start(r, attempts[r]))
                 continue

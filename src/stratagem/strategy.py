@@ -315,6 +315,10 @@ class Strategy:
                                  min_replicas=self.min_replicas)
         return Comm.from_env(timeout=self.timeout, device=self.device)
 
+    #: True for the strategies that run on fault-tolerant replica groups of several
+    #: processes (``Hierarchical``: a node is a replica group).
+    _replica_groups = False
+
     #: True for the strategies that run under ``fault_tolerant=True`` (their parts commit
     #: their collectives through the Comm's transactions).
     _fault_tolerance = False
@@ -415,6 +419,13 @@ class Strategy:
     def parts(self) -> list[Part]:
         """The parts this strategy runs (built on first use over :attr:`comm`)."""
         if self._parts is None:
+            if self.comm.replica_group_size > 1 and not self._replica_groups:
+                raise ValueError(
+                    f"{type(self).__name__} runs one process per fault-tolerant replica, but "
+                    f"this job's replicas are groups of {self.comm.replica_group_size} "
+                    "processes (sg.launch(..., nnodes=K, fault_tolerant=True)). Fix: use "
+                    "sg.Hierarchical (sync inside a group, fault tolerant across groups), or "
+                    "launch one process per replica")
             parts = self._build_parts(self.comm)
             for part in parts:
                 part.attach(self)
@@ -467,11 +478,12 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         """Replicas synchronising now (under ``fault_tolerant=True``: the current quorum,
         which changes when replicas leave or join)."""
-        return self.comm.world_size
+        # A fault-tolerant replica group (a node of Hierarchical) counts each process.
+        return self.comm.world_size * self.comm.replica_group_size
 
     @property
     def replica_id(self) -> int:
-        return self.comm.rank
+        return self.comm.rank * self.comm.replica_group_size + self.comm.replica_group_rank
 
     @property
     def is_chief(self) -> bool:
@@ -528,6 +540,8 @@ class Strategy:
                     "prepare). Fix: prepare one module holding both models, or train without "
                     "fault tolerance")
             module.to(self.device)
+            if self.comm.replica_group_size > 1:
+                self._check_replicas(module, self.comm.group_comm)  # type: ignore[attr-defined]
         else:
             module.to(self.device)
             self._initial_sync(module)
@@ -545,6 +559,7 @@ class Strategy:
             self.comm.set_state_fns(self.heal_state,  # type: ignore[attr-defined]
                                     self.load_heal_state)
             self.comm.begin()  # the first quorum: a new or restarted replica heals here
+            self.comm.start_group()  # type: ignore[attr-defined]
             self._plan_global_batch()
         if not optimizers:
             return wrapped
@@ -583,22 +598,24 @@ class Strategy:
         prepared.state["_eval_copy"] = clone
         return clone
 
-    def _check_replicas(self, model: nn.Module) -> None:
+    def _check_replicas(self, model: nn.Module, comm: Comm | None = None) -> None:
         entries = [[f"param:{n}", list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
         entries += [[f"buffer:{n}", list(b.shape), str(b.dtype)] for n, b in model.named_buffers()]
-        self._agree(entries, "the model")
+        self._agree(entries, "the model", comm)
 
-    def _agree(self, signature: Any, what: str) -> None:
-        """Raise ``ReplicaMismatchError`` on every rank unless all ranks pass an equal
-        ``signature`` (JSON-able). One 32-byte all-gather when they agree."""
-        if self.num_replicas_in_sync == 1:
+    def _agree(self, signature: Any, what: str, comm: Comm | None = None) -> None:
+        """Raise ``ReplicaMismatchError`` on every rank (of ``comm``; by default the
+        strategy's) unless all pass an equal ``signature`` (JSON-able). One 32-byte
+        all-gather when they agree."""
+        if (self.num_replicas_in_sync if comm is None else comm.world_size) == 1:
             return
+        comm = self.comm if comm is None else comm
         text = json.dumps(signature, separators=(",", ":"))
         digest = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.int64)
-        digests = self.comm.all_gather(digest.clone())
+        digests = comm.all_gather(digest.clone())
         if all(torch.equal(d, digests[0]) for d in digests):
             return
-        sigs = [json.loads(b.decode()) for b in self.comm.all_gather_bytes(text.encode())]
+        sigs = [json.loads(b.decode()) for b in comm.all_gather_bytes(text.encode())]
         raise ReplicaMismatchError(_describe_mismatch(sigs, what))
 
     # ------------------------------------------------------------------ hooks (override)
@@ -885,6 +902,8 @@ class Strategy:
         checks_agree = self.precision.uses_scaler or self.precision.on_nonfinite == "skip"
         if self._synchronous_step and checks_agree and self.num_replicas_in_sync > 1:
             flag = torch.tensor([1.0 if nonfinite else 0.0])
+            if self.comm.replica_group_size > 1:  # the replica group's processes first
+                self.comm.group_comm.all_reduce(flag, "max")  # type: ignore[attr-defined]
             nonfinite = bool(self.comm.all_reduce(flag, "max").item() > 0)
         # Fault tolerance: collectives already run in this step (the gradient all-reduce, the
         # non-finite vote) must have succeeded everywhere before their result is applied.

@@ -39,7 +39,11 @@ p.add_argument("--outer-momentum", type=float, default=0.5,
                help="DiLoCo's outer Nesterov momentum (0.9 diverges on the MNIST MLP with the "
                     "inner SGD momentum; ft_grid.py passes 0)")
 args = p.parse_args()
-slot = int(os.environ.get("STRATAGEM_FT_SLOT", os.environ.get("RANK", "0")))
+# A process's slot: its replica group's times the group size, plus its place in the group
+# (--replica-group-size: the processes of a Hierarchical node form one replica group).
+slot = (int(os.environ.get("STRATAGEM_FT_SLOT", os.environ.get("RANK", "0")))
+        * int(os.environ.get("STRATAGEM_FT_GROUP_SIZE", "1"))
+        + int(os.environ.get("STRATAGEM_FT_GROUP_RANK", "0")))
 with open(os.path.join(args.out, f"pids.{slot}"), "a") as f:
     f.write(f"{os.getpid()}\n")
 
@@ -64,7 +68,12 @@ make = {"mirrored": lambda: sg.Mirrored(timeout=t),
         # at 0.5, 4 replicas as threads).
         "diloco": lambda: sg.DiLoCo(period=4, outer_lr=0.7, timeout=t,
                                     outer_momentum=args.outer_momentum),
-        "easgd": lambda: sg.ElasticAveraging(period=4, timeout=t)}[args.strategy]
+        "easgd": lambda: sg.ElasticAveraging(period=4, timeout=t),
+        # Launched with --replica-group-size 2: a node (Mirrored inside) is a replica group.
+        "hierarchical": lambda: sg.Hierarchical(
+            inner=sg.Mirrored(), outer=sg.DiLoCo(period=4, outer_lr=0.7,
+                                                 outer_momentum=args.outer_momentum),
+            timeout=t)}[args.strategy]
 strategy = make()
 torch.manual_seed(slot)
 if args.model == "mlp":

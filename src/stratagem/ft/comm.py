@@ -79,7 +79,24 @@ def require_torchft() -> Any:
         raise ImportError(
             "fault_tolerant=True needs torchft, an optional dependency. Fix: pip install "
             "'stratagem[ft]' (it installs torchft-nightly)") from exc
+    _quiet_flight_recorder()
     return torchft
+
+
+def _quiet_flight_recorder() -> None:
+    """torchft's manager warns at every reconfiguration of a gloo group that it cannot reset
+    NCCL's flight recorder (one line per process per membership change); nothing is wrong."""
+    import logging
+
+    log = logging.getLogger("torchft.manager")
+    if not any(getattr(f, "_stratagem", False) for f in log.filters):
+        class _Drop(logging.Filter):
+            _stratagem = True
+
+            def filter(self, record: logging.LogRecord) -> bool:
+                return "flight recorder" not in record.getMessage()
+
+        log.addFilter(_Drop())
 
 
 @contextlib.contextmanager
@@ -152,12 +169,22 @@ class FaultTolerantComm(Comm):
                  min_replicas: int = 1, timeout: float = 60.0, host: str = "127.0.0.1",
                  job_store: dist.Store | None = None, device: torch.device | None = None,
                  transport: Any = None, max_heal_bytes: int = 64 << 30,
-                 allow_remote: bool = False, joining: bool = False) -> None:
+                 allow_remote: bool = False, joining: bool = False, group_rank: int = 0,
+                 group_size: int = 1, group_store: dist.Store | None = None) -> None:
         require_torchft()
         from torchft import Manager
 
-        self._slot = slot
-        self._num_slots = num_slots
+        if group_size > 1 and group_store is None:
+            raise ValueError(f"a replica group of {group_size} processes needs group_store, "
+                             "a store its processes share. Fix: launch with sg.launch(..., "
+                             "nnodes=K, fault_tolerant=True)")
+        #: The replica (group) this process belongs to, and the number launched.
+        self.replica = slot
+        self.num_replica_groups = num_slots
+        self.replica_group_rank = group_rank
+        self.replica_group_size = group_size
+        self._slot = slot * group_size + group_rank
+        self._num_slots = num_slots * group_size
         #: A replacement for a lost replica: it must find a live peer to heal from.
         self._joining = joining
         self.min_replicas = min_replicas
@@ -177,9 +204,19 @@ class FaultTolerantComm(Comm):
         self.last_heal_bytes = 0
         self.last_quorum_size = 0
         self._job_store = job_store
-        # The replica group's own store (size-1 groups): peers read the quorum's process-group
-        # addresses from the store of the quorum's first member.
-        self._store = bound_tcp_store(host, 0, timeout=timedelta(seconds=max(timeout, 30.0)))
+        # The replica group's own store, hosted by its first process: torchft's manager
+        # publishes its server's address there for the group's other processes.
+        store_timeout = timedelta(seconds=max(timeout, 30.0))
+        if group_rank == 0:
+            self._store: dist.Store | None = bound_tcp_store(host, 0, timeout=store_timeout)
+            store_port = self._store.port
+            if group_store is not None:
+                group_store.set("ft/store_port", str(store_port))
+        else:
+            self._store = None
+            assert group_store is not None
+            group_store.set_timeout(store_timeout)
+            store_port = int(group_store.get("ft/store_port"))
         self._pg = loopback_gloo_group(timedelta(seconds=timeout), host)
         if transport is None:
             from .transport import SafeHealTransport
@@ -187,18 +224,35 @@ class FaultTolerantComm(Comm):
             transport = SafeHealTransport(token=token, host=host, timeout=timeout,
                                           max_bytes=max_heal_bytes, allow_remote=allow_remote)
         self.transport = transport
-        with _MANAGER_LOCK, loopback_manager_server(host):
+        # Only a group's first process builds a manager server (the others wait for its
+        # address in the group's store: they must not hold the lock meanwhile).
+        server = group_rank == 0
+        with (_MANAGER_LOCK if server else contextlib.nullcontext()), \
+                (loopback_manager_server(host) if server else contextlib.nullcontext()):
             self.manager = Manager(
                 pg=self._pg, load_state_dict=self._load, state_dict=self._state,
                 min_replica_size=min_replicas, use_async_quorum=False,
                 timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=timeout),
-                connect_timeout=timedelta(seconds=max(timeout, 10.0)), rank=0, world_size=1,
-                store_addr=host, store_port=self._store.port, lighthouse_addr=lighthouse,
-                replica_id=f"slot{slot}", hostname=host,
+                connect_timeout=timedelta(seconds=max(timeout, 10.0)), rank=group_rank,
+                world_size=group_size, store_addr=host, store_port=store_port,
+                lighthouse_addr=lighthouse, replica_id=f"slot{slot}", hostname=host,
                 heartbeat_interval=timedelta(milliseconds=100),
                 checkpoint_transport=transport, init_sync=True)
         super().__init__(self._pg, 0, 1, store=None, timeout=timeout, heartbeat=False,
                          device=device)
+        #: The processes of this replica group (a node of ``Hierarchical``): a plain Comm
+        #: with fixed membership. A process of the group that dies fails the others'
+        #: collectives on it, and the launcher restarts the whole group.
+        self.group_comm: Comm = Comm.single()
+        if group_size > 1:
+            from ..comm import new_group
+
+            assert group_store is not None
+            inner = dist.PrefixStore("group", group_store)
+            self.group_comm = Comm(
+                new_group(dist.PrefixStore("pg", inner), group_rank, group_size, timeout, device),
+                group_rank, group_size, store=inner, timeout=timeout, device=device)
+            self._children.append(self.group_comm)
         self._beat = None
         if job_store is not None:
             from ..comm import Heartbeat
@@ -296,6 +350,41 @@ class FaultTolerantComm(Comm):
                 f"{self.min_replicas}. Fix: restart the missing workers or lower min_replicas",
                 missing=tuple(self._missing_slots()))
 
+    def start_group(self) -> None:
+        """At the job's start (nothing committed yet), give every process of this replica
+        group the state of the group's first process; a no-op otherwise. The first quorum
+        heals each group rank from a primary replica that torchft picks per group rank
+        (``rank % replicas``); before anything is committed the replicas still hold their own
+        initial states, so the processes of one group could come from different replicas.
+        After this every process of the job holds the state of the quorum's first replica's
+        first process (which every group's first process healed from). Collective on the
+        group; the strategy calls it after its first :meth:`begin`."""
+        if self.replica_group_size == 1 or self.committed_steps > 0:
+            return
+        import hashlib
+        import json
+
+        from ..checkpoint.tree import decode, encode
+        from ..errors import ReplicaMismatchError
+
+        group = self.group_comm
+        tensors, skeleton = encode(self._state(), what="the heal state")
+        names = sorted(tensors)
+        layout = json.dumps([[n, list(tensors[n].shape), str(tensors[n].dtype)]
+                             for n in names]).encode()
+        digest = torch.frombuffer(bytearray(hashlib.sha256(layout).digest()), dtype=torch.int64)
+        if not all(torch.equal(d, digest) for d in group.all_gather(digest.clone())):
+            raise ReplicaMismatchError(
+                f"the processes of replica group {self.replica} hold differently shaped "
+                "training states (model, optimizer or strategy state). Fix: run the same "
+                "script and configuration on every process")
+        with torch.no_grad():
+            group.broadcast_coalesced([tensors[n] for n in names], src=0)
+        text = json.dumps(skeleton, separators=(",", ":")).encode() if group.rank == 0 else b""
+        first = group.all_gather_bytes(text)[0]
+        if self._load_fn is not None:
+            self._load_fn(decode(tensors, json.loads(first), what="the heal state"))
+
     def _await_launched_replicas(self) -> None:
         """Before the job's first quorum, wait (at most ``timeout``) until every replica the
         job was launched with has its manager up. Without it the first replica to finish
@@ -365,9 +454,11 @@ class FaultTolerantComm(Comm):
         cached = getattr(self, "_live", None)
         if cached is not None and quorum_id is not None and cached[0] == quorum_id:
             return list(cached[1])
-        mine = torch.tensor([self._slot], dtype=torch.int64)
-        slots = sorted({int(t.item()) for t in self.all_gather(mine)})
-        if self._error is None and len(slots) == self._world:
+        mine = torch.tensor([self.replica], dtype=torch.int64)
+        replicas = sorted({int(t.item()) for t in self.all_gather(mine)})
+        size = self.replica_group_size
+        slots = [r * size + j for r in replicas for j in range(size)]
+        if self._error is None and len(replicas) == self._world:
             self._live = (quorum_id, slots)
         return slots
 
@@ -491,9 +582,27 @@ class FaultTolerantComm(Comm):
 
     def split(self, groups: Any, *, name: str = "split") -> Comm:
         raise NotImplementedError(
-            "a fault-tolerant Comm cannot be split into sub-groups yet (its membership "
-            "changes). Fix: use fault_tolerant=True on Mirrored, LocalSGD, DiLoCo or "
-            "ElasticAveraging(mode='sync')")
+            "a fault-tolerant Comm cannot be split into sub-groups (its membership changes). "
+            "Fix: use fault_tolerant=True on Mirrored, LocalSGD, DiLoCo, "
+            "ElasticAveraging(mode='sync'), or Hierarchical (a node is a replica group)")
+
+    def node_groups(self, local_world_size: int | None = None) -> Any:
+        """A node of ``Hierarchical`` is one replica group: ``intra`` is the group's own
+        Comm (:attr:`group_comm`, fixed membership), ``inter`` this Comm (the same group rank
+        of every live replica group, through the quorum)."""
+        from ..comm import NodeGroups
+
+        size = self.replica_group_size
+        if local_world_size is not None and local_world_size != size:
+            raise ValueError(
+                f"under fault tolerance a node is a replica group of {size} process(es) (as "
+                f"launched), but local_world_size={local_world_size} was asked for. Fix: omit "
+                f"local_world_size, or launch sg.launch(..., nnodes=K, fault_tolerant=True) "
+                f"with {local_world_size} processes per node")
+        if self._node_groups is None:
+            self._node_groups = NodeGroups(intra=self.group_comm, inter=self,
+                                           local_world_size=size)
+        return self._node_groups
 
     def ddp_group(self) -> dist.ProcessGroup:
         """The group DDP is built on: a world of one (DDP's own start-up collectives and

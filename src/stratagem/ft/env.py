@@ -11,14 +11,20 @@ import os
 from collections.abc import Mapping
 
 __all__ = ["LIGHTHOUSE_ENV", "SLOT_ENV", "SLOTS_ENV", "MIN_REPLICAS_ENV", "TOKEN_FILE_ENV",
-           "HOST_ENV", "launched_fault_tolerant"]
+           "HOST_ENV", "GROUP_RANK_ENV", "GROUP_SIZE_ENV", "launched_fault_tolerant"]
 
 #: The quorum service (torchft Lighthouse) address, ``http://host:port``.
 LIGHTHOUSE_ENV = "STRATAGEM_FT_LIGHTHOUSE"
-#: This worker's fixed place in the job (a restarted worker gets its old slot).
+#: This worker's replica (group): its fixed place in the job (a restarted worker gets its
+#: old slot).
 SLOT_ENV = "STRATAGEM_FT_SLOT"
-#: How many replicas the job was launched with.
+#: How many replicas (groups) the job was launched with.
 SLOTS_ENV = "STRATAGEM_FT_SLOTS"
+#: This worker's place in its replica group, and the group's size (``sg.launch(...,
+#: nnodes=K, fault_tolerant=True)``: a node of ``Hierarchical`` is a replica group; unset:
+#: one process per replica).
+GROUP_RANK_ENV = "STRATAGEM_FT_GROUP_RANK"
+GROUP_SIZE_ENV = "STRATAGEM_FT_GROUP_SIZE"
 #: The fewest replicas training continues with.
 MIN_REPLICAS_ENV = "STRATAGEM_FT_MIN_REPLICAS"
 #: A file (mode 0600) holding the job's secret for the heal transport.

@@ -22,6 +22,8 @@ import torch
 
 from .._rendezvous import is_loopback
 from .env import (
+    GROUP_RANK_ENV,
+    GROUP_SIZE_ENV,
     HOST_ENV,
     LIGHTHOUSE_ENV,
     MIN_REPLICAS_ENV,
@@ -149,9 +151,25 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
                                  is_master=False, timeout=timedelta(seconds=30),
                                  wait_for_workers=False)
     floor = int(env.get(MIN_REPLICAS_ENV, "1"))
+    slot = int(env[SLOT_ENV])
+    life = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    group_size = int(env.get(GROUP_SIZE_ENV, "1"))
+    group_store = None
+    if group_size > 1:
+        if job_store is None:
+            raise RuntimeError(
+                "a fault-tolerant replica group of several processes needs the launcher's "
+                "store (MASTER_ADDR/MASTER_PORT), which could not be reached. Fix: start the "
+                "job with sg.launch(..., nnodes=K, fault_tolerant=True)")
+        from torch.distributed import PrefixStore
+
+        # One store namespace per life of the group: a restarted group never reads the
+        # addresses its previous processes left.
+        group_store = PrefixStore(f"ftgroup/{slot}/{life}", job_store)
     return FaultTolerantComm(
-        lighthouse=env[LIGHTHOUSE_ENV], slot=int(env[SLOT_ENV]), num_slots=int(env[SLOTS_ENV]),
+        lighthouse=env[LIGHTHOUSE_ENV], slot=slot, num_slots=int(env[SLOTS_ENV]),
         token=read_token_file(env[TOKEN_FILE_ENV]), min_replicas=max(floor, min_replicas),
         timeout=timeout, host=host, job_store=job_store, device=device,
-        allow_remote=not is_loopback(host),
-        joining=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0)
+        allow_remote=not is_loopback(host), joining=life > 0,
+        group_rank=int(env.get(GROUP_RANK_ENV, "0")), group_size=group_size,
+        group_store=group_store)

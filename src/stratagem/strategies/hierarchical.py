@@ -90,6 +90,11 @@ class Hierarchical(Strategy):
 
     name = "hierarchical"
     _synchronous_step = True
+    # Fault tolerant (issue 22): a node is one torchft replica group, synchronous inside
+    # (the inner strategy over the group's own Comm), fault tolerant across (the outer
+    # strategy over the quorum of groups). See FaultTolerantComm.node_groups.
+    _fault_tolerance = True
+    _replica_groups = True
     #: Keys with these prefixes go to the strategy named by ``inner`` / ``outer``: what
     #: ``sg.from_name`` checks them against (stratagem._argnames).
     _argument_prefixes = _PREFIXES

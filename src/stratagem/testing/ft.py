@@ -44,7 +44,8 @@ class ReplicaFaults:
     """Declared faults for :func:`run_replicas`."""
 
     def __init__(self) -> None:
-        self._die: dict[int, set[int]] = {}
+        #: replica -> step -> the group ranks that have not died there yet
+        self._die: dict[int, dict[int, set[int] | None]] = {}
         self._fail: dict[int, set[int]] = {}
         self.restart = True
         self.deaths: list[tuple[int, int]] = []
@@ -52,8 +53,9 @@ class ReplicaFaults:
 
     def fail_at(self, slot: int, step: int, *, restart: bool = True) -> ReplicaFaults:
         """Replica ``slot`` dies at the end of its step ``step`` (and comes back when
-        ``restart``)."""
-        self._die.setdefault(slot, set()).add(step)
+        ``restart``). With replica groups (``run_replicas(..., group_size=G)``) ``slot`` is
+        the group: every process of it dies there, as a node would."""
+        self._die.setdefault(slot, {})[step] = None
         self.restart = restart
         return self
 
@@ -65,11 +67,18 @@ class ReplicaFaults:
     def check(self, comm: FaultTolerantComm, step: int) -> None:
         """Call at the end of each step: dies here if declared (see the class docstring)."""
         slot = comm.slot
+        replica, rank = comm.replica, comm.replica_group_rank
         with self._lock:
-            if step in self._die.get(slot, set()):
-                self._die[slot].discard(step)
-                self.deaths.append((slot, step))
-                raise ReplicaDied(f"replica {slot} died at step {step}")
+            due = self._die.get(replica, {})
+            if step in due:
+                left = due[step]
+                if left is None:  # the group's first process to get here
+                    left = due[step] = set(range(comm.replica_group_size))
+                    self.deaths.append((replica, step))
+                left.discard(rank)
+                if not left:
+                    del due[step]
+                raise ReplicaDied(f"replica {replica} died at step {step}")
         if step + 1 in self._fail.get(slot, set()):
             self._fail[slot].discard(step + 1)
             comm.inject_failure()
@@ -78,48 +87,55 @@ class ReplicaFaults:
 def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                  faults: ReplicaFaults | None = None, min_replicas: int = 1,
                  timeout: float = 10.0, deadline: float = 120.0,
-                 absent: Sequence[int] = ()) -> list[Any]:
+                 absent: Sequence[int] = (), group_size: int = 1) -> list[Any]:
     """Run ``fn(comm, *args)`` for ``n`` fault-tolerant replicas as threads (see the module
     docstring); a replica killed by ``faults`` is replaced by a new one in its slot (its
     result is the replacement's). The slots in ``absent`` are never started (as if they
     died before their first quorum; their result is None). Raises the first unexpected
-    exception, or ``TimeoutError`` after ``deadline`` seconds."""
+    exception, or ``TimeoutError`` after ``deadline`` seconds.
+
+    ``group_size=G``: each replica is a group of G processes (threads) sharing a store, as
+    the nodes of ``Hierarchical`` under ``sg.launch(..., nnodes=K, fault_tolerant=True)``;
+    results are per process, ``n * G`` of them, in slot order (group by group)."""
     service = QuorumService(num_slots=n, min_replicas=min_replicas)
     job_store = loopback_tcp_store("127.0.0.1", 0, timeout=timedelta(seconds=30))
     if absent:  # counted as started: the live ones' first quorum does not wait for them
-        job_store.add("ft/started", len(absent))
+        job_store.add("ft/started", len(absent) * group_size)
     token = secrets.token_hex(32).encode()
-    results: list[Any] = [None] * n
+    results: list[Any] = [None] * (n * group_size)
     errors: list[tuple[int, BaseException, str]] = []
     threads: list[threading.Thread] = []
     lock = threading.Lock()
 
-    def replica(slot: int, joining: bool) -> None:
+    def replica(slot: int, rank: int, life: int) -> None:
         comm: FaultTolerantComm | None = None
         try:
-            from torch.distributed import TCPStore
+            from torch.distributed import PrefixStore, TCPStore
 
             store = TCPStore("127.0.0.1", job_store.port, is_master=False,
                              timeout=timedelta(seconds=30), wait_for_workers=False)
-            comm = FaultTolerantComm(lighthouse=service.address(), slot=slot, num_slots=n,
-                                     token=token, min_replicas=min_replicas, timeout=timeout,
-                                     job_store=store, joining=joining)
-            results[slot] = fn(comm, *args)
+            comm = FaultTolerantComm(
+                lighthouse=service.address(), slot=slot, num_slots=n, token=token,
+                min_replicas=min_replicas, timeout=timeout, job_store=store,
+                joining=life > 0, group_rank=rank, group_size=group_size,
+                group_store=PrefixStore(f"ftgroup/{slot}/{life}", store)
+                if group_size > 1 else None)
+            results[slot * group_size + rank] = fn(comm, *args)
         except ReplicaDied:
             if comm is not None:
                 comm.kill()
                 comm = None
             if faults is not None and faults.restart:
-                start(slot, joining=True)
+                start(slot, rank, life + 1)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            errors.append((slot, exc, traceback.format_exc()))
+            errors.append((slot * group_size + rank, exc, traceback.format_exc()))
         finally:
             if comm is not None:
                 comm.close()
 
-    def start(slot: int, joining: bool = False) -> None:
-        t = threading.Thread(target=replica, args=(slot, joining), daemon=True,
-                             name=f"replica{slot}")
+    def start(slot: int, rank: int, life: int = 0) -> None:
+        t = threading.Thread(target=replica, args=(slot, rank, life), daemon=True,
+                             name=f"replica{slot}" + (f".{rank}" if group_size > 1 else ""))
         with lock:
             threads.append(t)
         t.start()
@@ -127,7 +143,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
     try:
         for slot in range(n):
             if slot not in absent:
-                start(slot)
+                for rank in range(group_size):
+                    start(slot, rank)
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             with lock:
