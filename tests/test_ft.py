@@ -83,6 +83,8 @@ STRATEGIES = {
     "diloco": lambda comm: sg.DiLoCo(comm=comm, period=4, fragments=2),
     # The quantized all-reduce (issue 24) on the fault-tolerant Comm: one mechanism for both.
     "diloco_int8": lambda comm: sg.DiLoCo(comm=comm, period=4, compression="int8"),
+    # ...and the top-k all-reduce (issue 24, SparseLoCo): the quorum opens before the gather.
+    "diloco_topk": lambda comm: sg.DiLoCo(comm=comm, period=4, compression="topk:0.1+int2"),
     # Sync EASGD: the exchange is one transaction; a joiner gets the center, the schedule and
     # the moving rate (fixed from the launched slots, not the quorum of the moment).
     "easgd": lambda comm: sg.ElasticAveraging(comm=comm, period=3),

@@ -93,7 +93,7 @@ def test_check_choice_and_bool():
 
 def test_one_compression_table():
     assert KINDS == {None: None, "fp16": torch.float16, "bf16": torch.bfloat16,
-                     "int8": torch.int8, "int4": torch.uint8}
+                     "int8": torch.int8, "int4": torch.uint8, "topk": torch.uint8}
     assert COMPRESSIONS == {"fp16": torch.float16, "bf16": torch.bfloat16}
     for kind, dtype in KINDS.items():
         assert check_compression(kind, kinds=tuple(KINDS)) == kind

@@ -43,6 +43,7 @@ import torch.distributed.nn.functional  # noqa: F401  isort: skip
 from ._rendezvous import bound_tcp_store
 from .errors import PeerTimeoutError
 from .quantize import DEFAULT_BLOCK, check_block, dequantize, q_max, quantize
+from .sparsify import TopK, encode, entries, parse_topk
 
 __all__ = ["Comm", "NodeGroups", "Heartbeat", "new_group", "release_all", "live_backend_threads",
            "bucketed"]
@@ -708,6 +709,52 @@ class Comm:
             drop[own] += total - out[own]
             lost.copy_(torch.nan_to_num(drop[:n], nan=0.0, posinf=0.0, neginf=0.0))
         return out[:n].clone() if world * chunk != n else out
+
+    def all_reduce_topk(self, tensor: torch.Tensor, kind: str | TopK, *,
+                        lost: torch.Tensor | None = None) -> torch.Tensor:
+        """The **sum** over ranks of what each rank's top-k payload of the 1-D fp32 ``tensor``
+        carries (``kind``: a :class:`~stratagem.sparsify.TopK` or its string, e.g.
+        ``"topk:0.02+int2"``; SparseLoCo, Sarfi et al. 2025). Returns a new tensor, bitwise
+        identical on every rank; ``tensor`` is left as it is.
+
+        Every rank encodes its tensor (per chunk of ``kind.chunk`` values: the ``k`` entries
+        of largest magnitude, ``bits``-bit values, uint16 indices, one fp32 scale;
+        :mod:`stratagem.sparsify`), one :meth:`all_gather` moves the payloads (all the same
+        size), and every rank checks and decodes all of them, its own included, and adds them
+        in rank order in fp32: the same bytes and the same additions everywhere. A malformed
+        payload (an index outside its chunk, a wrong length) raises ``ValueError`` before
+        anything is written. Bytes on the wire per rank: ``(W-1) P`` sent and received, ``P``
+        one payload (``kind.payload_bytes(n)``): it grows with ``W``, unlike a ring
+        all-reduce; at density 0.02 / 2 bits, 0.0115x of fp32's bytes per peer.
+
+        ``lost`` (a tensor like ``tensor``, for error feedback) is filled with ``tensor`` minus
+        what this rank's payload decodes to (the entries not sent and the quantization error
+        of those sent), so that the ``lost`` tensors summed over ranks are exactly the sum of
+        the inputs minus the result (up to fp32 rounding). Non-finite input gives ``nan`` on
+        every rank in its chunk (and ``lost`` zero where it was sent).
+        """
+        spec = kind if isinstance(kind, TopK) else parse_topk(kind, name="kind")
+        if tensor.dim() != 1 or tensor.dtype != torch.float32:
+            raise ValueError(f"all_reduce_topk needs a 1-D fp32 tensor, got shape "
+                             f"{tuple(tensor.shape)} dtype {tensor.dtype}. Fix: flatten it and "
+                             "cast it to float32")
+        if lost is not None and (lost.shape != tensor.shape or lost.dtype != tensor.dtype):
+            raise ValueError(f"lost must be a tensor like the input (shape "
+                             f"{tuple(tensor.shape)}, float32), got shape {tuple(lost.shape)} "
+                             f"dtype {lost.dtype}. Fix: pass torch.empty_like(tensor)")
+        n = tensor.numel()
+        payload = encode(tensor, spec)
+        gathered = self.all_gather(payload)
+        decoded = [entries(p, n, spec) for p in gathered]  # every payload checked first
+        total = torch.zeros(n, dtype=torch.float32, device=tensor.device)
+        for pos, values in decoded:
+            total[pos] += values  # positions are unique within a payload: deterministic
+        if lost is not None:
+            pos, values = entries(payload, n, spec)
+            lost.copy_(tensor.detach())
+            lost[pos] -= values
+            lost.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return total
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """All-gather variable-length byte strings (sizes first, then padded payloads)."""

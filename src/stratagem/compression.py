@@ -29,6 +29,10 @@ the same table, but only outer synchronisation accepts them (``DiLoCo``, and ``H
 with a DiLoCo outer): their all-reduce is
 :meth:`~stratagem.comm.Comm.all_reduce_quantized`, never a cast. Every other caller keeps the
 default ``kinds`` of :func:`check_compression` (:data:`CAST_KINDS`) and refuses them.
+
+The top-k kind ``"topk"`` (SparseLoCo, Sarfi et al. 2025; :mod:`stratagem.sparsify`) is in
+the table too, with its parameters in the string (``"topk:0.02+int2"``): outer
+synchronisation only, all-reduced by :meth:`~stratagem.comm.Comm.all_reduce_topk`.
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .sparsify import is_topk, parse_topk
 from .validation import describe_choices
 
-__all__ = ["KINDS", "CAST_KINDS", "QUANTIZED_KINDS", "OUTER_KINDS", "COMPRESSIONS", "CompressionContext", "ErrorFeedback", "check_compression",
+__all__ = ["KINDS", "CAST_KINDS", "QUANTIZED_KINDS", "SPARSE_KINDS", "OUTER_KINDS", "COMPRESSIONS", "CompressionContext", "ErrorFeedback", "check_compression",
            "compress", "compression_dtype", "decompress", "wire_dtype"]
 
 #: Every value a ``compression=`` keyword accepts, and the dtype it puts on the wire
@@ -52,14 +57,18 @@ KINDS: dict[str | None, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "int8": torch.int8,
     "int4": torch.uint8,
+    "topk": torch.uint8,
 }
 
 #: The kinds sent by casting (what ``check_compression`` accepts unless told otherwise).
 CAST_KINDS: tuple[str | None, ...] = (None, "fp16", "bf16")
 #: The blockwise-quantized kinds (:mod:`stratagem.quantize`): outer synchronisation only.
 QUANTIZED_KINDS: tuple[str, ...] = ("int8", "int4")
+#: The top-k sparsified kind (:mod:`stratagem.sparsify`): outer synchronisation only. Its
+#: parameters travel in the string: ``"topk"``, ``"topk:DENSITY"``, ``"topk:DENSITY+intBITS"``.
+SPARSE_KINDS: tuple[str, ...] = ("topk",)
 #: What an outer synchronisation (DiLoCo's pseudo-gradients) accepts.
-OUTER_KINDS: tuple[str | None, ...] = CAST_KINDS + QUANTIZED_KINDS
+OUTER_KINDS: tuple[str | None, ...] = CAST_KINDS + QUANTIZED_KINDS + SPARSE_KINDS
 
 #: The lossy cast kinds only, for code that compresses by casting for sure.
 COMPRESSIONS: dict[str, torch.dtype] = {k: v for k, v in KINDS.items()
@@ -79,6 +88,9 @@ def check_compression(value: object, *, name: str = "compression",
     unknown = [k for k in allowed if k not in KINDS]
     if unknown:
         raise ValueError(f"kinds must be keys of compression.KINDS {list(KINDS)}, got {unknown}")
+    if is_topk(value) and "topk" in allowed:
+        parse_topk(value, name=name)  # ValueError naming the ranges and the fix
+        return value  # type: ignore[return-value]
     try:
         ok = value in allowed
     except TypeError:  # unhashable
@@ -86,20 +98,24 @@ def check_compression(value: object, *, name: str = "compression",
     if not ok:
         choices = describe_choices(allowed)
         where = ""
-        if ok is False and value in QUANTIZED_KINDS:
-            where = (f". {value!r} (blockwise quantization) is for outer synchronisation only: "
-                     "DiLoCo(compression=...) or Hierarchical(outer='diloco', "
-                     "outer_compression=...)")
+        if ok is False and (value in QUANTIZED_KINDS or is_topk(value)):
+            what = "top-k sparsification" if is_topk(value) else "blockwise quantization"
+            where = (f". {value!r} ({what}) is for outer synchronisation only: "
+                     "DiLoCo(compression=...), LocalSGD(compression=...) or "
+                     "Hierarchical(outer='diloco', outer_compression=...)")
+        forms = (" ('topk' also as 'topk:DENSITY+intBITS', e.g. 'topk:0.02+int2')"
+                 if "topk" in allowed else "")
         raise ValueError(f"{name} must be one of {choices}, got {value!r}. Fix: pass "
                          f"{choices}" + (" (None: full precision)" if None in allowed else "")
-                         + where)
+                         + forms + where)
     return value  # type: ignore[return-value]
 
 
 def wire_dtype(kind: str | None) -> torch.dtype | None:
     """The dtype ``kind`` sends (``None`` for no compression; the packed integers' dtype for
-    a quantized kind); ``ValueError`` for an unknown kind."""
-    return KINDS[check_compression(kind, kinds=tuple(KINDS))]
+    a quantized or top-k kind); ``ValueError`` for an unknown kind."""
+    checked = check_compression(kind, kinds=tuple(KINDS))
+    return KINDS["topk" if is_topk(checked) else checked]
 
 
 @dataclass(frozen=True)

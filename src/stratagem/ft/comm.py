@@ -577,6 +577,10 @@ class FaultTolerantComm(Comm):
         self.begin()  # the quorum first: the chunks are cut for its world size
         return super().all_reduce_quantized(tensor, kind, **kwargs)
 
+    def all_reduce_topk(self, tensor: torch.Tensor, kind: Any, **kwargs: Any) -> torch.Tensor:
+        self.begin()  # the quorum first: the payloads are decoded for its world size
+        return super().all_reduce_topk(tensor, kind, **kwargs)
+
     def diagnose(self, exc: BaseException, what: str) -> PeerTimeoutError:
         return PeerTimeoutError(f"{what} failed in a fault-tolerant job: {exc}")
 

@@ -19,6 +19,10 @@ next pseudo-gradient of the same parameters. ``sync_delay`` and ``alpha`` are St
 DiLoCo's overlap (Douillard et al., "Streaming DiLoCo with overlapping communication", 2025:
 tau and alpha): the fragment's all-reduce runs in the background while ``sync_delay`` inner
 steps compute, and the landed outer parameters are mixed with the local ones.
+``compression="topk"`` (``"topk:DENSITY+intBITS"``) is SparseLoCo (Sarfi et al.,
+"Communication Efficient LLM Pre-training with SparseLoCo", 2025): per chunk of 4096 values
+only the largest entries of pseudo-gradient + residual are sent, at 2 bits, through
+:meth:`Comm.all_reduce_topk`; the residual keeps everything not sent.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from ..comm import Comm, flatten, views
 from ..compression import OUTER_KINDS, QUANTIZED_KINDS, check_compression, wire_dtype
 from ..quantize import DEFAULT_BLOCK, check_block
+from ..sparsify import TopK, is_topk, parse_topk
 from .base import Part
 from .tensors import (
     average_committed_,
@@ -136,7 +141,9 @@ class OuterStep(Part):
     quantization, ``block`` values per fp32 scale, through :meth:`Comm.all_reduce_quantized`,
     with error feedback: what quantization dropped is kept per replica, added to the next
     pseudo-gradient of the same parameters, committed when the outer step is applied and
-    checkpointed).
+    checkpointed), or "topk" / "topk:DENSITY+intBITS" (SparseLoCo's top-k per 4096-value chunk
+    at 2 bits, through :meth:`Comm.all_reduce_topk`, with the same error feedback, which then
+    also keeps every entry not sent).
 
     ``sync_delay`` (the Streaming DiLoCo paper's tau) > 0: a fragment's pseudo-gradient is
     all-reduced on a background thread, over a sub-Comm of its own (split from ``comm`` at
@@ -147,7 +154,7 @@ class OuterStep(Part):
     syncs. The consensus (checkpoint, ``eval_model``) is ``theta_prev`` — not a collective.
 
     Memory: two extra copies of the parameters with the default optimizer (``theta_prev`` and
-    the momentum), one fp32 copy more for the residuals of a quantized wire, plus transient
+    the momentum), one fp32 copy more for the residuals of a quantized or top-k wire, plus transient
     flat buffers the size of the fragment being synced (two while one is in flight).
     """
 
@@ -163,7 +170,8 @@ class OuterStep(Part):
         self.factory = outer_optimizer
         check_compression(compression, kinds=OUTER_KINDS)
         self.quantized: str | None = compression if compression in QUANTIZED_KINDS else None
-        self.wire = None if self.quantized else wire_dtype(compression)
+        self.sparse: TopK | None = parse_topk(compression) if is_topk(compression) else None
+        self.wire = None if self.quantized or self.sparse else wire_dtype(compression)
         self.block = check_block(block)
         self.offsets = [k * period // fragments for k in range(fragments)]
         gap = period // fragments
@@ -195,9 +203,9 @@ class OuterStep(Part):
             raise ValueError(f"fragments must be <= the number of parameter tensors "
                              f"({len(params)}), got fragments={self.fragments}. Fix: lower "
                              "fragments")
-        if self.quantized and any(not p.is_floating_point() for p in params):
-            raise TypeError("compression='int8'/'int4' needs floating-point parameters. Fix: "
-                            "pass compression=None")
+        if (self.quantized or self.sparse) and any(not p.is_floating_point() for p in params):
+            raise TypeError("compression='int8'/'int4'/'topk' needs floating-point parameters. "
+                            "Fix: pass compression=None")
         if self.sync_delay > 0 and self._background is None:
             try:
                 self._background = self.comm.split([list(range(self.comm.world_size))],
@@ -211,7 +219,12 @@ class OuterStep(Part):
                 max_workers=1, thread_name_prefix="sg-outer-overlap")
         prepared.state[self.name] = _OuterState(names, params,
                                                 split_fragments(params, self.fragments),
-                                                self.factory, self.quantized is not None)
+                                                self.factory, self._feedback)
+
+    @property
+    def _feedback(self) -> bool:
+        """Whether the wire keeps error-feedback residuals (quantized or top-k)."""
+        return self.quantized is not None or self.sparse is not None
 
     def _state(self, prepared: Prepared) -> _OuterState:
         st: _OuterState = prepared.state[self.name]
@@ -259,6 +272,11 @@ class OuterStep(Part):
         out: list[_Reduced] = []
         with torch.no_grad():
             for members, delta in groups:
+                if self.sparse is not None:
+                    lost = torch.empty_like(delta)
+                    summed = comm.all_reduce_topk(delta, self.sparse, lost=lost)
+                    out.append((members, summed, lost))
+                    continue
                 if self.quantized is not None:
                     lost = torch.empty_like(delta)
                     summed = comm.all_reduce_quantized(delta, self.quantized, block=self.block,
@@ -450,7 +468,7 @@ class OuterStep(Part):
         results: list[_Reduced] = []
         for group in dtype_groups([st.params[i] for i in idx]):
             members = [idx[j] for j in group]
-            dtype = torch.float32 if self.quantized else st.params[members[0]].dtype
+            dtype = torch.float32 if self._feedback else st.params[members[0]].dtype
             summed = flatten([state[f"{_PENDING_KEY}/{st.names[i]}"] for i in members])
             results.append((members, summed.to(dtype), None))
         st.flight = _Flight(k, apply_phase, None, results)

@@ -47,7 +47,8 @@ class LocalSGD(Strategy):
     every worker counts the same local steps.
 
     Arguments: ``period`` (int >= 1), ``warmup_steps`` (int >= 0), ``compression`` (None,
-    "bf16", "fp16", "int8" or "int4"; issue 24), plus the common strategy arguments.
+    "bf16", "fp16", "int8", "int4" or "topk[:DENSITY+intBITS]"; issue 24), plus the common
+    strategy arguments.
 
     ``compression``: what crosses the wire at an average. The parameters themselves are not
     compressible (a 16-bit or 4-bit copy of the weights would lose the model), so a compressed
@@ -137,6 +138,8 @@ class DiLoCo(Strategy):
     "fp16": the pseudo-gradient's dtype on the wire; "int8" or "int4": blockwise quantization,
     one fp32 scale per 128 values, all-reduced by ``Comm.all_reduce_quantized`` so every
     replica decodes the same bytes, with error feedback whose residuals are checkpointed;
+    "topk" = "topk:0.02+int2": SparseLoCo's top-k per 4096-value chunk at 2 bits, through
+    ``Comm.all_reduce_topk``, the entries not sent kept in the same residuals;
     ``pseudo_grad_dtype`` is its old, deprecated name), ``sync_delay`` (Streaming DiLoCo's
     tau, an int in ``[0, period // fragments)``: a fragment's outer all-reduce runs in the
     background for that many inner steps before it is applied; 0 = synchronous), ``alpha``
