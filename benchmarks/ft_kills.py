@@ -17,6 +17,10 @@ the steps; slot 0 is never killed. Checked and reported per strategy:
   replica trains on it), and the time lost per kill: on slot 0, the longest gap between two committed
   steps after each kill, minus the median step.
 
+``--strategies hierarchical,hierarchical_sharded``: ``Hierarchical(Mirrored|Sharded, DiLoCo)``
+on 2 replica groups of 2 processes (``--replica-group-size 2``); the kills hit group 1's
+processes and each restarts that whole group.
+
     PYTHONPATH=src python benchmarks/ft_kills.py [--strategies mirrored,local_sgd,diloco,easgd]
         [--steps 1000] [--step-sleep 0.03]
 
@@ -43,20 +47,30 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ft_scripts" / "train_ft.py"
 NPROC = 4
 KILLS = ((1, 0.15), (2, 0.35), (3, 0.55))  # (slot, fraction of the steps)
+#: Hierarchical: 2 replica groups of 2 processes (a node each); the kills hit group 1's
+#: processes (slot 0, whose steps are timed, is in group 0, which is never killed).
+GROUP_KILLS = ((2, 0.15), (3, 0.35), (2, 0.55))
+
+
+def _group(strategy: str) -> int:
+    return 2 if strategy.startswith("hierarchical") else 1
 
 
 def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
     out = Path(tempfile.mkdtemp(prefix=f"ftkills-{strategy}-"))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    group = _group(strategy)
+    plan = GROUP_KILLS if group > 1 else KILLS
     cmd = [sys.executable, "-m", "stratagem.cli", "run", "--nproc", str(NPROC),
-           "--fault-tolerant", str(SCRIPT), "--out", str(out), "--steps", str(steps),
+           "--fault-tolerant", "--replica-group-size", str(group),
+           str(SCRIPT), "--out", str(out), "--steps", str(steps),
            "--strategy", strategy, "--data", "mnist", "--step-sleep", str(sleep),
            "--timeout", "30"]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     killed: list[tuple[int, float]] = []
     if kills:
-        for slot, frac in KILLS:
+        for slot, frac in plan:
             deadline = time.monotonic() + 600
             while ft_progress(out, slot) < frac * steps:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -97,8 +111,10 @@ def run(strategy: str, steps: int, sleep: float, kills: bool) -> dict[str, Any]:
         "train_s": stamps[-1] - stamps[0], "median_step_ms": step * 1e3,
         "accuracy": accs[0], "bitwise_equal": bool(equal),
         "pids_per_slot": [len(pids[s]) for s in range(NPROC)],
-        "survivors_never_restarted": all(len(pids[s]) == (2 if s in dict(KILLS) and kills
-                                                          else 1) for s in range(NPROC)),
+        # Every process of a group that lost one is restarted with it (one life each).
+        "survivors_never_restarted": all(
+            len(pids[s]) == 1 + sum(1 for k, _ in killed if k // group == s // group)
+            for s in range(NPROC)),
         "finished": finished,
         "heals": [(out / f"acc.{s}").read_text().splitlines()[2] for s in finished],
     }
@@ -134,7 +150,9 @@ def main() -> None:
         print(free, hit, sep="\n", flush=True)
     lines = [f"`PYTHONPATH=src python benchmarks/ft_kills.py --strategies {args.strategies} "
              f"--steps {args.steps} --step-sleep {args.step_sleep}` ({NPROC} workers, MNIST-5k "
-             "MLP, kills of slots 1, 2, 3 at 15/35/55 % of the steps)", "",
+             "MLP, kills of slots 1, 2, 3 at 15/35/55 % of the steps; hierarchical rows: 2 "
+             "replica groups of 2 processes, kills of slots 2, 3, 2 (group 1), each "
+             "restarting the whole group)", "",
              "| strategy | kills | survivors never restarted | final replicas bitwise equal "
              "| accuracy | vs fault-free (points) | goodput vs fault-free | time lost per kill s "
              "| kill -> replacement's first step s | median step ms |",

@@ -117,12 +117,13 @@ def test_a_stalled_worker_is_evicted_the_others_go_on_and_it_heals_when_it_wakes
 
 
 def test_a_sigkilled_process_takes_its_replica_group_down_and_the_group_heals(tmp_path):
-    # Hierarchical on 2 replica groups of 2 processes (a node each: Mirrored inside, DiLoCo
-    # across). SIGKILL one process of group 1: its group-mate fails in the group's
-    # collectives, the launcher restarts group 1 whole, group 0 trains on and is never
-    # restarted, and each new process heals from the same group rank of group 0.
+    # Hierarchical on 2 replica groups of 2 processes (a node each: FSDP2 inside, DiLoCo
+    # across; torchft's HSDP). SIGKILL one process of group 1: its group-mate fails in the
+    # group's collectives, the launcher restarts group 1 whole, group 0 trains on and is
+    # never restarted, and each new process heals its shards from the same group rank of
+    # group 0. (Mirrored inside: test_ft.py, threads; FSDP2 needs launched processes.)
     # --min-replicas 2: group 0 waits for the replacement (as in the test above).
-    proc = _start(tmp_path, "--strategy", "hierarchical", "--step-sleep", "0.01",
+    proc = _start(tmp_path, "--strategy", "hierarchical_sharded", "--step-sleep", "0.01",
                   "--timeout", "120", min_replicas=2, nproc=4, group=2, steps=40)
     _wait_progress(tmp_path, [0, 1, 2, 3], 8, deadline=150)
     survivors = {s: _pids(tmp_path, s) for s in (0, 1)}

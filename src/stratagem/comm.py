@@ -408,6 +408,16 @@ class Comm:
             )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"stratagem/attempt_{attempt}", base)
+        return cls.default_group(store, rank, world_size, timeout=timeout, device=device,
+                                 local_world_size=_env_local_world_size(world_size, rank))
+
+    @classmethod
+    def default_group(cls, store: dist.Store, rank: int, world_size: int, *, timeout: float,
+                      device: torch.device | None = None,
+                      local_world_size: int | None = None) -> Comm:
+        """A Comm over torch.distributed's default process group, initialised here over
+        ``store`` (``from_env``; a fault-tolerant replica group of several processes, whose
+        FSDP2 needs a registered group). Destroyed by the last Comm's close."""
         backend = "cpu:gloo,cuda:nccl" if (device is not None and device.type == "cuda") else "gloo"
         global _OWNS_DEFAULT_GROUP, _DEFAULT_GROUPS_CREATED
         generation = _DEFAULT_GROUPS_CREATED
@@ -420,7 +430,7 @@ class Comm:
         _OWNS_DEFAULT_GROUP = True  # destroyed by the last Comm's close, or by release_all
         group = dist.distributed_c10d._get_default_group()
         return cls(group, rank, world_size, store=store, timeout=timeout,
-                   local_world_size=_env_local_world_size(world_size, rank), device=device)
+                   local_world_size=local_world_size, device=device)
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` first thing in :meth:`close`: for objects holding this Comm's

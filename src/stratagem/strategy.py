@@ -35,6 +35,7 @@ from .context import InputContext, ReplicaContext, enter_replica, enter_scope
 from .data import DistributedLoader, skip_first_batches
 from .errors import ReplicaMismatchError
 from .parts.base import Part
+from .parts.tensors import is_dtensor, local
 from .precision import Autocast, Precision
 from .validation import check_bool, check_int, check_number, check_timeout
 
@@ -308,6 +309,8 @@ class Strategy:
         self._failed_steps = 0
 
     def _comm_from_env(self) -> Comm:
+        if self._ft_refusal is not None:
+            raise ValueError(self._ft_refusal)
         if self.fault_tolerant:
             from .ft.launch import comm_from_env  # torchft is an optional dependency
 
@@ -339,12 +342,21 @@ class Strategy:
             wanted = bool(fault_tolerant) or comm.fault_tolerant
         else:
             wanted = launched_fault_tolerant() if fault_tolerant is None else fault_tolerant
+        #: Set when the launcher asks for fault tolerance this strategy lacks: refused when
+        #: it joins the job (a strategy built only as configuration, like Hierarchical's
+        #: inner Sharded, never joins anything).
+        self._ft_refusal: str | None = None
         if wanted and not self._fault_tolerance:
-            raise ValueError(
+            refusal = (
                 f"{type(self).__name__} cannot run fault tolerant yet (fault_tolerant=True, or "
                 f"launched with --fault-tolerant); supported: Mirrored, LocalSGD, DiLoCo, "
-                "ElasticAveraging(mode='sync', rho=0). Fix: use one of those, or launch without "
+                "ElasticAveraging(mode='sync', rho=0), and Hierarchical (inner Mirrored or "
+                "Sharded) on replica groups. Fix: use one of those, or launch without "
                 "--fault-tolerant")
+            if fault_tolerant is None and comm is None:
+                self._ft_refusal = refusal
+                return False, min_replicas
+            raise ValueError(refusal)
         return wanted, min_replicas
 
     #: True for the strategies whose step is a mean of every replica's gradient (Mirrored),
@@ -1250,12 +1262,15 @@ class Strategy:
         transport sends it without pickle). Not a collective."""
         models = []
         for prepared in self._prepared:
-            module = {k: v.detach() for k, v in prepared.module.state_dict().items()}
+            # A sharded model (FSDP2 inside a replica group) sends this process's shards: a
+            # heal goes from one group rank to the same group rank of another group.
+            module = {k: local(v.detach()) for k, v in prepared.module.state_dict().items()}
             models.append({
                 "module": module,
                 "signature": [[k, list(v.shape), str(v.dtype)] for k, v in module.items()],
                 "local_steps": prepared.local_steps,
-                "optimizers": [opt.optimizer.state_dict() for opt in prepared.optimizers],
+                "optimizers": [_local_optimizer_state(opt.optimizer.state_dict())
+                               for opt in prepared.optimizers],
                 "parts": {part.name: part.heal_state(prepared) for part in self.parts},
                 "strategy": self._heal_extra(prepared),
             })
@@ -1273,7 +1288,7 @@ class Strategy:
                 f"a live peer has {len(models)} prepared model(s), this replica "
                 f"{len(self._prepared)}. Fix: run the same script on every replica")
         for prepared, saved in zip(self._prepared, models):
-            mine = [[k, list(v.shape), str(v.dtype)]
+            mine = [[k, list(local(v).shape), str(v.dtype)]
                     for k, v in prepared.module.state_dict().items()]
             theirs = saved["signature"]
             if mine != theirs:
@@ -1287,10 +1302,11 @@ class Strategy:
             for prepared, saved in zip(self._prepared, models):
                 own = prepared.module.state_dict()
                 for key, value in saved["module"].items():
-                    own[key].copy_(value)
+                    local(own[key]).copy_(value)
                 prepared.local_steps = int(saved["local_steps"])
                 for opt, opt_state in zip(prepared.optimizers, saved["optimizers"]):
-                    opt.optimizer.load_state_dict(opt_state)
+                    opt.optimizer.load_state_dict(_sharded_like_params(opt.optimizer,
+                                                                       opt_state))
                 for part in self.parts:
                     part.load_heal_state(prepared, saved["parts"].get(part.name, {}))
                 self._load_heal_extra(prepared, saved.get("strategy", {}))
@@ -1389,3 +1405,38 @@ def _describe_mismatch(sigs: list[Any], what: str) -> str:
                     "Fix: build the same model / pass the same structure on every replica.")
         return f"replicas disagree on {what}: rank 0 has {ref}, rank {rank} has {sig}"
     return f"replicas disagree on {what}"
+
+
+def _local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` with each DTensor (the state of a sharded parameter)
+    replaced by its local shard."""
+    if not any(is_dtensor(v) for st in state.get("state", {}).values() for v in st.values()):
+        return state
+    out = dict(state)
+    out["state"] = {i: {k: local(v) if torch.is_tensor(v) else v for k, v in st.items()}
+                    for i, st in state["state"].items()}
+    return out
+
+
+def _sharded_like_params(optimizer: torch.optim.Optimizer, state: dict[str, Any]
+                         ) -> dict[str, Any]:
+    """``state`` (from :func:`_local_optimizer_state` of a peer with the same sharding) with
+    each local shard of a sharded parameter's state made a DTensor again, sharded like the
+    parameter (what the optimizer's step expects)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(is_dtensor(p) for p in params):
+        return state
+    from torch.distributed.tensor import DTensor
+
+    out = dict(state)
+    out["state"] = {}
+    for i, st in state.get("state", {}).items():
+        p = params[int(i)]
+        if is_dtensor(p):
+            shard = p.to_local().shape
+            st = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+                  if torch.is_tensor(v) and v.dim() > 0 and v.shape == shard else v
+                  for k, v in st.items()}
+        out["state"][i] = st
+    return out

@@ -73,6 +73,11 @@ make = {"mirrored": lambda: sg.Mirrored(timeout=t),
         "hierarchical": lambda: sg.Hierarchical(
             inner=sg.Mirrored(), outer=sg.DiLoCo(period=4, outer_lr=0.7,
                                                  outer_momentum=args.outer_momentum),
+            timeout=t),
+        # FSDP2 inside each replica group (torchft's HSDP), DiLoCo across.
+        "hierarchical_sharded": lambda: sg.Hierarchical(
+            inner=sg.Sharded(), outer=sg.DiLoCo(period=4, outer_lr=0.7,
+                                                outer_momentum=args.outer_momentum),
             timeout=t)}[args.strategy]
 strategy = make()
 torch.manual_seed(slot)

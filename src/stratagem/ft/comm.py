@@ -170,7 +170,8 @@ class FaultTolerantComm(Comm):
                  job_store: dist.Store | None = None, device: torch.device | None = None,
                  transport: Any = None, max_heal_bytes: int = 64 << 30,
                  allow_remote: bool = False, joining: bool = False, group_rank: int = 0,
-                 group_size: int = 1, group_store: dist.Store | None = None) -> None:
+                 group_size: int = 1, group_store: dist.Store | None = None,
+                 group_comm: Comm | None = None) -> None:
         require_torchft()
         from torchft import Manager
 
@@ -241,10 +242,14 @@ class FaultTolerantComm(Comm):
         super().__init__(self._pg, 0, 1, store=None, timeout=timeout, heartbeat=False,
                          device=device)
         #: The processes of this replica group (a node of ``Hierarchical``): a plain Comm
-        #: with fixed membership. A process of the group that dies fails the others'
-        #: collectives on it, and the launcher restarts the whole group.
+        #: with fixed membership (``group_comm``, or one built over ``group_store``). A
+        #: process of the group that dies fails the others' collectives on it, and the
+        #: launcher restarts the whole group.
         self.group_comm: Comm = Comm.single()
-        if group_size > 1:
+        if group_comm is not None:  # built by the caller (a launched process: the default
+            self.group_comm = group_comm  # group, which FSDP2 can find)
+            self._children.append(group_comm)
+        elif group_size > 1:
             from ..comm import new_group
 
             assert group_store is not None

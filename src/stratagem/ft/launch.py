@@ -155,6 +155,8 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
     life = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     group_size = int(env.get(GROUP_SIZE_ENV, "1"))
     group_store = None
+    group_comm = None
+    group_rank = int(env.get(GROUP_RANK_ENV, "0"))
     if group_size > 1:
         if job_store is None:
             raise RuntimeError(
@@ -166,10 +168,17 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
         # One store namespace per life of the group: a restarted group never reads the
         # addresses its previous processes left.
         group_store = PrefixStore(f"ftgroup/{slot}/{life}", job_store)
+        # The group's processes form torch.distributed's default group (fixed membership),
+        # so that FSDP2 (Hierarchical(inner=Sharded)) finds it; the quorum across groups is
+        # torchft's.
+        from ..comm import Comm
+
+        group_comm = Comm.default_group(PrefixStore("group", group_store), group_rank,
+                                        group_size, timeout=timeout, device=device)
     return FaultTolerantComm(
         lighthouse=env[LIGHTHOUSE_ENV], slot=slot, num_slots=int(env[SLOTS_ENV]),
         token=read_token_file(env[TOKEN_FILE_ENV]), min_replicas=max(floor, min_replicas),
         timeout=timeout, host=host, job_store=job_store, device=device,
         allow_remote=not is_loopback(host), joining=life > 0,
-        group_rank=int(env.get(GROUP_RANK_ENV, "0")), group_size=group_size,
-        group_store=group_store)
+        group_rank=group_rank, group_size=group_size, group_store=group_store,
+        group_comm=group_comm)
