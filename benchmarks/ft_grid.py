@@ -310,6 +310,7 @@ def main() -> None:
                    help="no kill once the job is past this fraction of its steps (a replacement "
                         "must have time to come back before the others finish)")
     p.add_argument("--max-wall", type=float, default=900.0, help="per run, seconds")
+    p.add_argument("--out", default="ft_grid", help="results/OUT.{json,md} (default ft_grid)")
     args = p.parse_args()
     systems = split_list(args.systems)
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -369,7 +370,7 @@ def main() -> None:
     lines += ["", "Bytes per heal: stratagem, what the joiner's SafeHealTransport received; "
               "torchft, the tensors of the state dict it received; restart-all, the "
               "checkpoint times 4 workers reading it."]
-    write_report("ft_grid", {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines)
+    write_report(args.out, {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,8 @@ def main() -> None:
     p.add_argument("--strategies", default="mirrored,local_sgd,diloco,easgd")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--step-sleep", type=float, default=0.03)
+    p.add_argument("--out", default="ft_kills",
+                   help="results/OUT.{json,md} (default ft_kills)")
     args = p.parse_args()
     rows = []
     for strategy in split_list(args.strategies):
@@ -168,7 +170,7 @@ def main() -> None:
             f"{'' if lost is None else ', '.join(f'{x:.2f}' for x in lost)} | "
             f"{'' if back is None else ', '.join(f'{x:.1f}' for x in back)} | "
             f"{r['median_step_ms']:.1f} |")
-    write_report("ft_kills", {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines)
+    write_report(args.out, {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ os.environ.setdefault("RUST_LOG", "warn")
 #: (``--dist loadfile``); in alphabetical order the two slowest files came last, and one worker
 #: finished them alone while the other sat idle.
 _SLOW_FILES_FIRST = ("test_sharded.py", "test_sharded_hierarchical.py", "test_ft_processes.py",
-                     "test_chaos.py", "test_resume.py", "test_multinode.py", "test_cli.py",
+                     "test_ft_group_processes.py", "test_chaos.py", "test_resume.py", "test_multinode.py", "test_cli.py",
                      "test_examples.py", "test_hierarchical.py", "test_launch.py")
 
 

@@ -66,7 +66,7 @@ TERMINATE_GRACE = 5.0
 EXIT_GRACE = 30.0
 #: Fault-tolerant jobs: seconds after the start (or after a spare took a dead worker's place)
 #: before a warm spare process is started (see :func:`_spare_main`); no spare when the
-#: variable ``STRATAGEM_FT_SPARES=0`` is set.
+#: variable ``STRATAGEM_FT_SPARES=0`` is set; ``STRATAGEM_FT_SPARE_DELAY`` overrides it.
 SPARE_DELAY = 10.0
 _MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -372,6 +372,20 @@ def _spare_main(assignments: Connection, result: Connection, parent_pid: int) ->
     _worker_main(fn, args, result, parent_pid)
 
 
+def _spare_delay() -> float:
+    """:data:`SPARE_DELAY`, or ``STRATAGEM_FT_SPARE_DELAY`` seconds (benchmarks)."""
+    text = os.environ.get("STRATAGEM_FT_SPARE_DELAY", "")
+    try:
+        value = float(text) if text else SPARE_DELAY
+    except ValueError:
+        raise ValueError(f"STRATAGEM_FT_SPARE_DELAY must be seconds >= 0, got {text!r}. Fix: "
+                         f"unset it (default {SPARE_DELAY:g})") from None
+    if not value >= 0:
+        raise ValueError(f"STRATAGEM_FT_SPARE_DELAY must be seconds >= 0, got {text!r}. Fix: "
+                         f"unset it (default {SPARE_DELAY:g})")
+    return value
+
+
 class _Spare:
     """One warm spare process and its two pipe ends (see :func:`_spare_main`)."""
 
@@ -669,7 +683,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     shards: PSShards | None = None
     quorum: Any = None
     sup: _Supervisor | None = None
-    spare: _Spare | None = None
+    spares: list[_Spare] = []
     # Port 0 lets the OS pick a free port with no race; the store lives as long as this call
     # and listens on loopback only (issue 10).
     store = loopback_tcp_store(_MASTER_ADDR, 0, timeout=timedelta(seconds=60))
@@ -703,20 +717,21 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
             return wenv
 
-        # Fault tolerant: one warm spare (torch imported, waiting) takes a dead worker's
-        # place at once, so a replacement does not pay the interpreter's and torch's start-up
-        # after the failure (~3-5 s here); the next spare starts once the replacement had
-        # SPARE_DELAY s to start on its own (they would share the CPUs).
-        spares = os.environ.get("STRATAGEM_FT_SPARES", "1") != "0"
-        spare_due = time.monotonic() + SPARE_DELAY if fault_tolerant and spares else None
+        # Fault tolerant: warm spares (torch imported, waiting) take dead workers' places at
+        # once, so a replacement does not pay the interpreter's and torch's start-up after the
+        # failure (~3-5 s here): one per process of a replica group (a group is restarted
+        # whole). New spares start once the replacements had SPARE_DELAY s to start on their
+        # own (they would share the CPUs).
+        use_spares = os.environ.get("STRATAGEM_FT_SPARES", "1") != "0"
+        delay = _spare_delay()
+        spare_due = time.monotonic() + delay if fault_tolerant and use_spares else None
 
         def start(rank: int, attempt: int) -> tuple[BaseProcess, Connection]:
-            nonlocal spare, spare_due
+            nonlocal spare_due
             wenv = environment(rank, attempt)
-            if spare is not None and attempt > 0:
-                taken = spare.take(fn, tuple(args), wenv)
-                spare = None
-                spare_due = time.monotonic() + SPARE_DELAY
+            if spares and attempt > 0:
+                taken = spares.pop().take(fn, tuple(args), wenv)
+                spare_due = time.monotonic() + delay
                 if taken is not None:
                     return taken
             r, w = ctx.Pipe(duplex=False)
@@ -753,11 +768,11 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                     f"launch timed out after {timeout:g} s with ranks {running} still running; "
                     "all workers were stopped. Find the hang (often a collective waiting for "
                     "a peer that never calls it) or pass a larger timeout=")
-            if spare_due is not None and spare is None and time.monotonic() >= spare_due \
+            if spare_due is not None and len(spares) < group and time.monotonic() >= spare_due \
                     and not sup.results:
-                spare = _Spare(ctx, environment(0, 0))
+                spares.append(_Spare(ctx, environment(0, 0)))
             wait_s = min(left, 3600.0)
-            if spare_due is not None and spare is None:
+            if spare_due is not None and len(spares) < group:
                 wait_s = max(0.0, min(wait_s, spare_due - time.monotonic() + 0.01))
             failure = sup.poll(wait_s)
             if failure is None:
@@ -815,8 +830,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             raise failure
         return [sup.results[r] for r in range(nprocs)]
     finally:
-        if spare is not None:
-            spare.stop()
+        for one in spares:
+            one.stop()
         if sup is not None:
             sup.stop_all()
         if shards is not None:

@@ -345,8 +345,10 @@ class FaultTolerantComm(Comm):
             if self._world == 1 and not self._healed:
                 # Alone and nobody to heal from: the others finished (or all are lost).
                 # Training on alone from step 0 would produce a model nobody asked for.
+                who = (f"replica {self.slot}" if self.replica_group_size == 1 else
+                       f"replica group {self.replica} (process slot {self.slot})")
                 raise QuorumError(
-                    f"replica {self.slot} was restarted but found no live replica to heal from "
+                    f"{who} was restarted but found no live replica to heal from "
                     "(the job has finished, or every replica is lost). Fix: if training was "
                     "not finished, restart the job from its last checkpoint")
         if self._world < self.min_replicas:
