@@ -134,9 +134,9 @@ def test_quantized_all_reduce_runs_on_primitives_a_faulty_comm_injects_into():
 
 
 # ---------------------------------------------------------------------- DiLoCo
-def _setup(strategy, *, seed=0, lr=0.05):
+def _setup(strategy, *, seed=0, lr=0.05, hidden=None):
     with strategy.scope():
-        model = make_model(seed)
+        model = make_model(seed) if hidden is None else make_model(seed, hidden=hidden)
         opt = torch.optim.Adam(model.parameters(), lr=lr)
         return strategy.prepare(model, opt)
 
@@ -304,11 +304,14 @@ def test_quantized_diloco_bytes_and_replicas(kind):
         torch.testing.assert_close(q_state[name], fp32_state[name], atol=0.05, rtol=0.05)
 
 
-def test_residuals_and_in_flight_all_reduce_survive_save_and_restore_bitwise(tmp_path):
-    # int4, fragments 2, period 4, sync_delay 1: saved after step 6, when fragment 1's
-    # all-reduce (sent at step 6) is in flight and the residuals are non-zero.
+@pytest.mark.parametrize("compression", ["int4", "topk:0.05+int2"])
+def test_residuals_and_in_flight_all_reduce_survive_save_and_restore_bitwise(tmp_path,
+                                                                             compression):
+    # fragments 2, period 4, sync_delay 1: saved after step 6, when fragment 1's all-reduce
+    # (sent at step 6) is in flight and the residuals are non-zero (top-k: most of the
+    # pseudo-gradient).
     def make(comm):
-        return DiLoCo(period=4, fragments=2, sync_delay=1, alpha=0.5, compression="int4",
+        return DiLoCo(period=4, fragments=2, sync_delay=1, alpha=0.5, compression=compression,
                       comm=comm)
 
     def run(comm, batches, restore_from=None, save_to=None):
@@ -344,9 +347,10 @@ def test_residuals_and_in_flight_all_reduce_survive_save_and_restore_bitwise(tmp
     assert "model/residual.rank1/0.weight" in saved and "model/pending_outer.meta" in saved
 
 
-def test_quantized_diloco_checkpoint_moves_to_mirrored(tmp_path):
+@pytest.mark.parametrize("compression", ["int8", "topk"])
+def test_quantized_diloco_checkpoint_moves_to_mirrored(tmp_path, compression):
     def job(comm):
-        strategy = DiLoCo(period=2, compression="int8", comm=comm)
+        strategy = DiLoCo(period=2, compression=compression, comm=comm)
         model, opt = _setup(strategy)
         for batch in _batches(comm.rank, 5):
             _step(strategy, model, opt, batch)

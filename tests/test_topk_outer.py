@@ -5,10 +5,10 @@ DiLoCo/LocalSGD/Hierarchical with compression="topk", checkpointed residuals."""
 from __future__ import annotations
 
 import pytest
-import safetensors.torch
 import torch
-import torch.nn.functional as F
 from helpers import make_model
+from test_quantized_outer import _batches, _state, _step
+from test_quantized_outer import _setup as _setup_outer
 
 import stratagem as sg
 from stratagem.comm import Comm
@@ -160,28 +160,8 @@ def test_error_feedback_tracks_the_fp32_sum_over_50_rounds():
 
 
 # ---------------------------------------------------------------------- strategies
-def _setup(strategy, *, seed=0, lr=0.05, hidden=16):
-    with strategy.scope():
-        model = make_model(seed, hidden=hidden)
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-        return strategy.prepare(model, opt)
-
-
-def _batches(rank, n, seed=0):
-    g = torch.Generator().manual_seed(100 * seed + rank)
-    return [(torch.randn(16, 10, generator=g), torch.randint(0, 3, (16,), generator=g))
-            for _ in range(n)]
-
-
-def _step(strategy, model, opt, batch):
-    x, y = batch
-    strategy.backward(F.cross_entropy(model(x), y))
-    opt.step()
-    opt.zero_grad()
-
-
-def _state(strategy, model):
-    return {k: v.detach().clone() for k, v in strategy.unwrap(model).state_dict().items()}
+def _setup(strategy, **kwargs):
+    return _setup_outer(strategy, **{"hidden": 16, **kwargs})
 
 
 def test_topk_diloco_bytes_per_outer_step_and_replicas_bitwise_equal():
@@ -215,67 +195,6 @@ def test_topk_diloco_bytes_per_outer_step_and_replicas_bitwise_equal():
         assert bool(torch.isfinite(topk_state[name]).all())
     moved = sum(int((topk_state[k] != start[k]).sum()) for k in start)
     assert 0 < moved <= 2 * 2 * 2 * 82  # only what was sent moved (2 steps, 2 replicas)
-
-
-def test_topk_residuals_and_in_flight_all_reduce_survive_save_and_restore_bitwise(tmp_path):
-    # fragments 2, period 4, sync_delay 1: saved after step 6, when fragment 1's all-reduce
-    # (sent at step 6) is in flight and the residuals (most of the pseudo-gradient) non-zero.
-    def make(comm):
-        return DiLoCo(period=4, fragments=2, sync_delay=1, alpha=0.5,
-                      compression="topk:0.05+int2", comm=comm)
-
-    def run(comm, batches, restore_from=None, save_to=None):
-        strategy = make(comm)
-        model, opt = _setup(strategy)
-        if restore_from is not None:
-            strategy.restore(restore_from, model=model, optimizer=opt)
-        for batch in batches:
-            _step(strategy, model, opt, batch)
-        st = strategy._prepared[0].state["outer_step"]
-        residual = [e.clone() for e in st.residual]
-        in_flight = st.flight is not None
-        if save_to is not None:
-            strategy.save(save_to, model=model, optimizer=opt)
-        return _state(strategy, model), residual, in_flight
-
-    def job(comm):
-        batches = _batches(comm.rank, 10)
-        straight, res_straight, _ = run(comm, batches)
-        _, res_saved, in_flight = run(comm, batches[:6], save_to=tmp_path / "ck")
-        resumed, res_resumed, _ = run(comm, batches[6:], restore_from=tmp_path / "ck")
-        return straight, resumed, res_straight, res_resumed, res_saved, in_flight
-
-    results = run_ranks(job, 2)
-    saved = safetensors.torch.load_file(tmp_path / "ck" / "strategy.safetensors")
-    for straight, resumed, res_a, res_b, res_saved, in_flight in results:
-        assert in_flight
-        assert any(float(e.abs().max()) > 0 for e in res_saved)
-        for name in straight:
-            assert torch.equal(straight[name], resumed[name]), name
-        for a, b in zip(res_a, res_b, strict=True):
-            assert torch.equal(a, b)
-    assert "model/residual.rank1/0.weight" in saved
-
-
-def test_topk_diloco_checkpoint_moves_to_mirrored(tmp_path):
-    def job(comm):
-        strategy = DiLoCo(period=2, compression="topk", comm=comm)
-        model, opt = _setup(strategy)
-        for batch in _batches(comm.rank, 5):
-            _step(strategy, model, opt, batch)
-        strategy.save(tmp_path / "ck", model=model)
-        outer = [q.clone() for q in strategy._prepared[0].state["outer_step"].prev]
-        mirrored = sg.Mirrored(comm=comm)
-        with mirrored.scope():
-            m2 = make_model(7)
-            o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
-            m2, o2 = mirrored.prepare(m2, o2)
-        mirrored.restore(tmp_path / "ck", model=m2)
-        return outer, [p.detach().clone() for p in mirrored.unwrap(m2).parameters()]
-
-    for outer, loaded in run_ranks(job, 2):
-        for q, p in zip(outer, loaded, strict=True):
-            assert torch.equal(q, p)
 
 
 def test_topk_local_sgd_and_hierarchical_outer_keep_replicas_equal():

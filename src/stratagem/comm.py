@@ -686,14 +686,7 @@ class Comm:
         """
         q_max(kind)
         check_block(block)
-        if tensor.dim() != 1 or tensor.dtype != torch.float32:
-            raise ValueError(f"all_reduce_quantized needs a 1-D fp32 tensor, got shape "
-                             f"{tuple(tensor.shape)} dtype {tensor.dtype}. Fix: flatten it and "
-                             "cast it to float32")
-        if lost is not None and (lost.shape != tensor.shape or lost.dtype != tensor.dtype):
-            raise ValueError(f"lost must be a tensor like the input (shape "
-                             f"{tuple(tensor.shape)}, float32), got shape {tuple(lost.shape)} "
-                             f"dtype {lost.dtype}. Fix: pass torch.empty_like(tensor)")
+        _check_flat_fp32("all_reduce_quantized", tensor, lost)
         n, world = tensor.numel(), self.world_size
         chunk = -(-max(n, 1) // (world * block)) * block  # values per rank, whole blocks
         padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
@@ -744,14 +737,7 @@ class Comm:
         every rank in its chunk (and ``lost`` zero where it was sent).
         """
         spec = kind if isinstance(kind, TopK) else parse_topk(kind, name="kind")
-        if tensor.dim() != 1 or tensor.dtype != torch.float32:
-            raise ValueError(f"all_reduce_topk needs a 1-D fp32 tensor, got shape "
-                             f"{tuple(tensor.shape)} dtype {tensor.dtype}. Fix: flatten it and "
-                             "cast it to float32")
-        if lost is not None and (lost.shape != tensor.shape or lost.dtype != tensor.dtype):
-            raise ValueError(f"lost must be a tensor like the input (shape "
-                             f"{tuple(tensor.shape)}, float32), got shape {tuple(lost.shape)} "
-                             f"dtype {lost.dtype}. Fix: pass torch.empty_like(tensor)")
+        _check_flat_fp32("all_reduce_topk", tensor, lost)
         n = tensor.numel()
         payload = encode(tensor, spec)
         gathered = self.all_gather(payload)
@@ -950,6 +936,18 @@ class RelayComm(Comm):
 
     def split(self, groups: Sequence[Sequence[int]], *, name: str = "split") -> Comm:
         raise NotImplementedError("split the underlying Comms, not a RelayComm")
+
+
+def _check_flat_fp32(what: str, tensor: torch.Tensor, lost: torch.Tensor | None) -> None:
+    """The input checks of the compressed all-reduces: a 1-D fp32 ``tensor``, and ``lost``
+    (when given) shaped like it."""
+    if tensor.dim() != 1 or tensor.dtype != torch.float32:
+        raise ValueError(f"{what} needs a 1-D fp32 tensor, got shape {tuple(tensor.shape)} "
+                         f"dtype {tensor.dtype}. Fix: flatten it and cast it to float32")
+    if lost is not None and (lost.shape != tensor.shape or lost.dtype != tensor.dtype):
+        raise ValueError(f"lost must be a tensor like the input (shape {tuple(tensor.shape)}, "
+                         f"float32), got shape {tuple(lost.shape)} dtype {lost.dtype}. Fix: "
+                         "pass torch.empty_like(tensor)")
 
 
 def _destroy_default_group() -> None:

@@ -29,10 +29,13 @@ p.add_argument("--steps", type=int, default=120)
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--timeout", type=float, default=10.0)
 p.add_argument("--width", type=int, default=64)
-p.add_argument("--data", choices=["synthetic", "mnist"], default="synthetic",
-               help="synthetic (tests): 3000 clustered 64-d points; mnist: MNIST-5k (benchmarks)")
-p.add_argument("--model", choices=["seq", "mlp"], default="seq",
-               help="seq: Linear-ReLU-Linear (tests); mlp: stratagem.demo.MLP (benchmarks)")
+p.add_argument("--data", choices=["synthetic", "mnist", "charlm"], default="synthetic",
+               help="synthetic (tests): 3000 clustered 64-d points; mnist: MNIST-5k "
+                    "(benchmarks); charlm: the LM demo's character corpus (with --model gpt)")
+p.add_argument("--model", choices=["seq", "mlp", "gpt"], default="seq",
+               help="seq: Linear-ReLU-Linear (tests); mlp: stratagem.demo.MLP (benchmarks); "
+                    "gpt: the LM demo's character-level GPT (2 layers, 64 wide), AdamW; its "
+                    "metric is the validation loss, not an accuracy")
 p.add_argument("--ckpt-dir", default=None, help="restart-all + resume: checkpoint folder")
 p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every K steps")
 p.add_argument("--outer-momentum", type=float, default=0.5,
@@ -51,6 +54,12 @@ if args.data == "mnist":
     from stratagem.demo import load_mnist5k
 
     train, test = load_mnist5k()
+elif args.data == "charlm":
+    from stratagem.demo_lm import encode, load_corpus, split_corpus, windows
+
+    tokens, held = split_corpus(encode(load_corpus()))
+    train = windows(tokens, 64)
+    test = tuple(t[:64] for t in windows(held, 64))  # the same 64 validation windows
 else:
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(10, 64, generator=g) * 1.5
@@ -85,10 +94,18 @@ if args.model == "mlp":
     from stratagem.demo import MLP
 
     model: nn.Module = MLP(hidden=args.width)
+elif args.model == "gpt":
+    from stratagem.demo_lm import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.0))
 else:
     model = nn.Sequential(nn.Linear(train[0].shape[1], args.width), nn.ReLU(),
                           nn.Linear(args.width, 10))
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+if args.model == "gpt":
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3,
+                                                   betas=(0.9, 0.95))
+else:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 model, opt = strategy.prepare(model, opt)
 loader = strategy.distribute_dataset(train, global_batch_size=60, seed=1)
 ckpt = os.path.join(args.ckpt_dir, "ckpt") if args.ckpt_dir else None
@@ -98,7 +115,7 @@ heals = 0
 for epoch in itertools.count(loader.epoch):
     loader.set_epoch(epoch)
     for xb, yb in loader:
-        loss = F.cross_entropy(model(xb), yb)
+        loss = model(xb, yb)[1] if args.model == "gpt" else F.cross_entropy(model(xb), yb)
         strategy.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -122,8 +139,11 @@ for epoch in itertools.count(loader.epoch):
 strategy.finalize(model)
 final = strategy.eval_model(model)
 with torch.no_grad():
-    acc = (final(test[0]).argmax(1) == test[1]).float().mean().item()
-save_file({k: v.contiguous() for k, v in final.state_dict().items()},
+    if args.model == "gpt":  # the validation loss (lower is better)
+        acc = final(test[0], test[1])[1].item()
+    else:
+        acc = (final(test[0]).argmax(1) == test[1]).float().mean().item()
+save_file({k: v.contiguous().clone() for k, v in final.state_dict().items()},  # tied: copies
           os.path.join(args.out, f"final.{slot}.safetensors"))
 with open(os.path.join(args.out, f"acc.{slot}"), "w") as f:
     c = strategy.comm
