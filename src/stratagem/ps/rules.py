@@ -26,6 +26,14 @@ overflow); an elastic exchange's difference and new center are checked before th
 changes. A step that would make the tensor non-finite is *refused*: counted in
 ``Slot.refused``, reported as status ``"refused"``, and the tensor keeps its last finite value.
 
+One push, one step: the tensors of a push whose optimizers are equal (class and
+hyperparameters) and already hold their state take one torch ``foreach`` step
+(:func:`offer_many`), guarded as above but once for all of them; if that step would overflow
+anywhere, every tensor is restored and steps alone, so exactly the overflowing ones are refused.
+On CPU the ``foreach`` and single-tensor paths of every supported optimizer give bitwise equal
+results (tested), and a push of the demo's MLP (6 tensors, Adam) costs ~25 torch calls
+instead of ~150.
+
 Every refusal is a :class:`~stratagem.ps.wire.WireError` carrying the gRPC status the service
 (:mod:`stratagem.ps.server`) answers with.
 """
