@@ -26,12 +26,21 @@ overflow); an elastic exchange's difference and new center are checked before th
 changes. A step that would make the tensor non-finite is *refused*: counted in
 ``Slot.refused``, reported as status ``"refused"``, and the tensor keeps its last finite value.
 
+One push, one step: the tensors of a push whose optimizers are equal (class and
+hyperparameters) and already hold their state take one torch ``foreach`` step
+(:func:`offer_many`), guarded as above but once for all of them; if that step would overflow
+anywhere, every tensor is restored and steps alone, so exactly the overflowing ones are refused.
+On CPU the ``foreach`` and single-tensor paths of every supported optimizer give bitwise equal
+results (tested), and a push of the demo's MLP (6 tensors, Adam) costs ~25 torch calls
+instead of ~150.
+
 Every refusal is a :class:`~stratagem.ps.wire.WireError` carrying the gRPC status the service
 (:mod:`stratagem.ps.server`) answers with.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -44,10 +53,10 @@ from stratagem.ps import optim as ps_optim
 from stratagem.ps.wire import WireError
 
 __all__ = ["MODES", "Slot", "refused", "is_int", "make_slot", "check_grad", "to_slot_dtype",
-           "apply_gradient", "offer", "elastic_exchange", "plan_hyperparameters",
+           "apply_gradient", "offer", "offer_many", "elastic_exchange", "plan_hyperparameters",
            "apply_hyperparameters", "check_opt_state", "load_optimizer_state", "state_copies",
-           "cost", "finite", "require_finite", "plain_sgd_lr", "warm_up_optimizers",
-           "narrows", "SLOT_OVERHEAD_BYTES"]
+           "cost", "finite", "all_finite", "check_grads", "require_finite", "plain_sgd_lr",
+           "warm_up_optimizers", "narrows", "SLOT_OVERHEAD_BYTES", "FUSE_MIN_SLOTS"]
 
 MODES = ("async", "sync", "elastic")
 
@@ -122,6 +131,21 @@ def check_grad(slot: Slot, g: torch.Tensor, what: str = "gradient") -> None:
     if not g.is_floating_point():
         raise refused(f"{what} for {slot.name!r} has non-float dtype {g.dtype}")
     require_finite(g, f"{what} for {slot.name!r}")
+
+
+def check_grads(pairs: Sequence[tuple[Slot, torch.Tensor]], what: str = "gradient") -> None:
+    """:func:`check_grad` for every ``(slot, gradient)`` of one request, the finiteness of
+    all of them taken in one check (:func:`all_finite`); the first offending gradient is
+    named as :func:`check_grad` names it."""
+    for slot, g in pairs:
+        if tuple(g.shape) != tuple(slot.value.shape):
+            raise refused(f"{what} for {slot.name!r} has shape {tuple(g.shape)}, the tensor "
+                          f"has {tuple(slot.value.shape)}", "FAILED_PRECONDITION")
+        if not g.is_floating_point():
+            raise refused(f"{what} for {slot.name!r} has non-float dtype {g.dtype}")
+    if not all_finite([g for _, g in pairs]):
+        for slot, g in pairs:
+            require_finite(g, f"{what} for {slot.name!r}")
 
 
 def narrows(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -222,6 +246,146 @@ def apply_gradient(slot: Slot, grad: torch.Tensor, lr_scale: float = 1.0) -> boo
     if not ok:
         slot.refused += 1
     return ok
+
+
+#: Fewest slots of one push that take one fused optimizer step (:func:`offer_many`).
+FUSE_MIN_SLOTS = 2
+
+
+def _fusable(slot: Slot, grad: torch.Tensor) -> bool:
+    """Whether ``slot``'s step may run fused with others: an optimizer other than the plain
+    SGD fast path, whose state is already built (the first step creates it, and a refused
+    first step must leave none) and made of tensors only, and a dense gradient."""
+    if slot.optimizer is None or slot.sgd_lr is not None or grad.is_sparse:
+        return False
+    param = slot.optimizer.param_groups[0]["params"][0]
+    state = slot.optimizer.state.get(param)
+    return state is not None and bool(state) and all(isinstance(v, torch.Tensor)
+                                                     for v in state.values())
+
+
+def _fuse_key(slot: Slot, lr_scale: float) -> tuple[Any, ...]:
+    """Slots with equal keys step as one torch optimizer: same class, same hyperparameters
+    (the learning rate as it applies to this gradient), same dtype."""
+    assert slot.optimizer is not None
+    group = slot.optimizer.param_groups[0]
+    hyper = tuple(sorted((k, repr(v)) for k, v in group.items() if k not in ("params", "lr")))
+    return (type(slot.optimizer), float(group["lr"]) * lr_scale, hyper, slot.value.dtype)
+
+
+def _fused_step(slots: Sequence[Slot], grads: Sequence[torch.Tensor], lr_scale: float) -> bool:
+    """One torch ``foreach`` step of the slots' (equal) optimizers over all their tensors:
+    the same arithmetic as one step per slot (torch's single-tensor and ``foreach`` paths give
+    bitwise equal results on CPU; tested), in a few calls instead of ~25 per slot. Guarded as
+    :func:`_optimizer_step` is, once for all: committed only if every value and state tensor
+    stays finite; otherwise every slot is restored from the copies taken before it and False
+    is returned (the caller then steps each slot alone, refusing only the ones that overflow).
+    Caller holds every slot's lock."""
+    first = slots[0].optimizer
+    assert first is not None
+    params: list[torch.Tensor] = []
+    states: list[dict[str, Any]] = []
+    for slot in slots:
+        assert slot.optimizer is not None
+        param = slot.optimizer.param_groups[0]["params"][0]
+        params.append(param)
+        states.append(slot.optimizer.state[param])
+    saved = [(p.detach().clone(), {k: v.clone() for k, v in st.items()})
+             for p, st in zip(params, states, strict=True)]
+    group = {k: v for k, v in first.param_groups[0].items() if k != "params"}
+    group["lr"] = float(group["lr"]) * lr_scale
+    group["foreach"], group["fused"] = True, None
+    fused = type(first)([{**group, "params": params}])  # type: ignore[call-arg]
+    for p, st in zip(params, states, strict=True):
+        fused.state[p] = st  # the slot's own state dict: the step updates it in place
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    try:
+        fused.step()
+    finally:
+        for p in params:
+            p.grad = None
+    after = [p.detach() for p in params] + [v for st in states for v in st.values()]
+    if all_finite(after):
+        return True
+    with torch.no_grad():
+        for p, st, (value, state) in zip(params, states, saved, strict=True):
+            p.copy_(value)
+            for k, v in state.items():
+                st[k].copy_(v)
+    return False
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """:func:`finite` of every tensor, in one sum per tensor and one check: NaN or Inf
+    anywhere makes the total non-finite; only then (or when finite values overflow the
+    total) is each tensor checked exactly."""
+    floats = [t for t in tensors if t.numel() and t.is_floating_point()]
+    if not floats:
+        return True
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in floats:
+        wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+        by_dtype.setdefault(wide, []).append(t.sum(dtype=wide))
+    if all(bool(torch.isfinite(torch.stack(sums).sum(dtype=torch.float64)))
+           for sums in by_dtype.values()):
+        return True
+    return all(finite(t) for t in floats)
+
+
+def offer_many(items: Sequence[tuple[Slot, int | None, Callable[[], torch.Tensor]]],
+               max_staleness: int | None) -> list[list[Any]]:
+    """:func:`offer` for every ``(slot, base, grad)`` of one push (each slot once), with the
+    same result per item. Async slots whose optimizers are equal and already have their
+    state take one fused step (:func:`_fused_step`) under all their locks; the others, and
+    any fused group whose step would overflow, go through :func:`offer` one by one."""
+    results: list[list[Any] | None] = [None] * len(items)
+    built: dict[int, torch.Tensor] = {}  # gradients already cast, not cast twice
+    candidates = [i for i, (slot, base, _) in enumerate(items)
+                  if slot.mode == "async" and base is not None and slot.optimizer is not None
+                  and slot.sgd_lr is None]
+    if len(candidates) >= FUSE_MIN_SLOTS:
+        slots = [items[i][0] for i in candidates]
+        # A fixed order (by name, as every multi-slot lock in the service): no deadlock.
+        unique = sorted({id(s): s for s in slots}.values(), key=lambda s: s.name)
+        for s in unique:
+            s.lock.acquire()
+        try:
+            groups: dict[tuple[Any, ...], list[tuple[int, int, float]]] = {}
+            for i in candidates:
+                slot, base, grad = items[i]
+                assert base is not None
+                staleness = slot.version - base
+                if staleness < 0 or (max_staleness is not None and staleness > max_staleness):
+                    continue  # dropped: offer() counts it below
+                g = built[i] = grad()
+                if _fusable(slot, g):
+                    scale = staleness_lr_scale(slot, staleness)
+                    groups.setdefault(_fuse_key(slot, scale), []).append((i, staleness, scale))
+            for members in groups.values():
+                if len(members) < FUSE_MIN_SLOTS:
+                    continue
+                fused = [items[i][0] for i, _, _ in members]
+                if _fused_step(fused, [built[i] for i, _, _ in members], members[0][2]):
+                    for (i, staleness, _), slot in zip(members, fused, strict=True):
+                        slot.version += 1
+                        results[i] = [staleness, "applied", slot.version]
+        finally:
+            for s in reversed(unique):
+                s.lock.release()
+    out: list[list[Any]] = []
+    for i, (slot, base, grad) in enumerate(items):
+        done = results[i]
+        if done is None:
+            cast = built.get(i)
+            done = offer(slot, base, max_staleness,
+                         grad if cast is None else functools.partial(_same, cast))
+        out.append(done)
+    return out
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def staleness_lr_scale(slot: Slot, staleness: int) -> float:

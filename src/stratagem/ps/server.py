@@ -569,18 +569,26 @@ class ShardServer:
                 got += len(chunk)
                 del chunk
                 continue
-            head += chunk  # amortised: many tiny chunks cost no quadratic copying
+            first: bytes | bytearray = chunk
+            if head:
+                head += chunk  # amortised: many tiny chunks cost no quadratic copying
+                first = head
             got += len(chunk)
-            del chunk
-            head_end = wire.frame_length(head)
+            head_end = wire.frame_length(first)
             if head_end is None or (got < min(head_end, declared)
                                     and head_end - 12 <= self.limits.max_header_bytes):
-                continue  # the header has not all arrived yet
-            refused = await self._check_header(head, head_end)
+                if first is chunk:
+                    head += chunk  # the header has not all arrived yet
+                del chunk, first
+                continue
+            del chunk
+            refused = await self._check_header(first, head_end)
             if refused is not None:
                 return refused
+            # The usual case, a header within the first chunk, copies that chunk once.
             buf = bytearray(declared)
-            buf[:got] = head
+            buf[:got] = first
+            del first
             head = bytearray()
         if got != declared or buf is None:
             return _Abort("INVALID_ARGUMENT",
@@ -588,7 +596,7 @@ class ShardServer:
                           f"{wire.SIZE_METADATA_KEY!r} metadata declares")
         return buf
 
-    async def _check_header(self, head: bytearray, head_end: int) -> _Abort | None:
+    async def _check_header(self, head: bytes | bytearray, head_end: int) -> _Abort | None:
         """Refuse a chunked request by its header, before the rest of it is received: a
         malformed header or unknown op, or a ``register`` whose new tensors alone (their
         declared bytes plus the per-slot overhead, a lower bound of what registering them
@@ -809,7 +817,10 @@ class ShardServer:
     def _offer(self, slot: Slot, base: int | None, max_staleness: int | None,
                grad: Callable[[], torch.Tensor]) -> list[Any]:
         """:func:`stratagem.ps.rules.offer`, then wake the version waiters if it applied."""
-        result = rules.offer(slot, base, max_staleness, grad)
+        return self._after_offer(slot, rules.offer(slot, base, max_staleness, grad))
+
+    def _after_offer(self, slot: Slot, result: list[Any]) -> list[Any]:
+        """Wake the version waiters if the offer applied; log a refused step."""
         if result[1] == "applied" or (result[1] == "refused" and slot.mode == "sync"):
             self._notify()
         if result[1] == "refused":
@@ -916,6 +927,7 @@ class ShardServer:
         wanted = [self._slot(n) for n in fetch] if fetch is not None else []
         # Everything is checked before anything is applied: one bad tensor refuses the request.
         checked: list[tuple[Slot, Entry, Callable[[], torch.Tensor]]] = []
+        slots: list[Slot] = []
         for e in msg.entries:
             slot = self._slot(e.name)
             if slot.mode == "elastic":
@@ -924,7 +936,10 @@ class ShardServer:
                            "FAILED_PRECONDITION")
             if e.version is None:
                 raise _err(f"gradient for {slot.name!r} carries no base version")
-            rules.check_grad(slot, e.tensor)
+            slots.append(slot)
+        rules.check_grads([(slot, e.tensor) for slot, e in zip(slots, msg.entries,
+                                                               strict=True)])
+        for slot, e in zip(slots, msg.entries, strict=True):
             if rules.narrows(e.tensor.dtype, slot.value.dtype):
                 # Checked after the cast, before anything is applied (what will be stored).
                 cast = rules.to_slot_dtype(slot, e.tensor)
@@ -934,8 +949,12 @@ class ShardServer:
         if fetch is not None:
             self._check_reply("push", [(s.name, s.value.nbytes) for s in wanted],
                               extra=64 * len(checked))
-        results = [self._offer(slot, e.version, max_staleness, grad)
-                   for slot, e, grad in checked]
+        # One fused optimizer step for the tensors of this push that share an optimizer
+        # configuration (rules.offer_many), the same results as one offer per tensor.
+        results = rules.offer_many([(slot, e.version, grad) for slot, e, grad in checked],
+                                   max_staleness)
+        for (slot, _, _), result in zip(checked, results, strict=True):
+            self._after_offer(slot, result)
         if fetch is None:
             return wire.encode("pushed", {"results": results})
         # Push and fetch in one round trip (a Downpour step): the values after this push.

@@ -54,6 +54,50 @@ class RemoteError(StratagemError):
         self.code, self.address = code, address
 
 
+class _Task:
+    """One call handed to :class:`_CallThreads`: run once, by a call thread or by the thread
+    that waits for it, whichever claims it first."""
+
+    __slots__ = ("future", "_fn", "_args", "_claimed", "_lock")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                 lock: threading.Lock) -> None:
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._fn: Callable[..., Any] | None = fn
+        self._args: tuple[Any, ...] = args
+        self._claimed = False
+        self._lock = lock
+
+    def claim(self) -> bool:
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+    def run(self) -> None:
+        """Run the claimed call, its outcome into :attr:`future`."""
+        fn, args = self._fn, self._args
+        self._fn, self._args = None, ()  # no request bytes kept alive once it ran
+        assert fn is not None
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                self.future.set_exception(exc)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The call's reply. A call no thread has started yet runs here, in the waiting
+        thread: one blocking call then costs no hand-off to a call thread and back (two
+        thread wake-ups, each a scheduling delay on a busy machine)."""
+        if self.claim():
+            self.run()
+        return self.future.result(timeout)
+
+
 class _CallThreads:
     """Long-lived daemon threads that run blocking gRPC calls for one client.
 
@@ -62,8 +106,11 @@ class _CallThreads:
     515 us of client CPU per 64 KiB call, against 263 us for a blocking call and 332 us for a
     blocking call run on a thread that already exists. Threads are started on demand (one per
     concurrent call, at most ``max_threads``) and then reused; ``close`` lets them finish.
-    Not a ``ThreadPoolExecutor``: its workers are joined at interpreter exit, so a call still
-    in flight there would hold the exit up to its deadline (gRPC's own threads never did).
+    A call that no thread has started when its result is asked for runs in the asking thread
+    (:meth:`_Task.result`), so calls still go out concurrently and a lone one costs no
+    hand-off. Not a ``ThreadPoolExecutor``: its workers are joined at interpreter exit, so a
+    call still in flight there would hold the exit up to its deadline (gRPC's own threads
+    never did).
     """
 
     def __init__(self, max_threads: int = 32) -> None:
@@ -78,40 +125,34 @@ class _CallThreads:
         self._idle = 0
         self._closed = False
 
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any
-               ) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Task:
         if self._pid != os.getpid():  # a forked child: the parent's threads (and a lock one
             self._lock = threading.Lock()  # of them may have held) are not here
             self._reset()
         with self._lock:
             if self._closed:
                 raise RuntimeError("this parameter-server client is closed")
-            self._queue.put((fut, fn, args, kwargs))
+            task = _Task(fn, args, self._lock)
+            self._queue.put(task)
             if self._idle < self._queue.qsize() and self._threads < self._max:
                 self._threads += 1
                 threading.Thread(target=self._work, name="stratagem-ps-call",
                                  daemon=True).start()
-        return fut
+        return task
 
     def _work(self) -> None:
         q = self._queue
         while True:
             with self._lock:
                 self._idle += 1
-            item = q.get()
+            task = q.get()
             with self._lock:
                 self._idle -= 1
-            if item is None:
+            if task is None:
                 return
-            fut, fn, args, kwargs = item
-            del item
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                    fut.set_exception(exc)
-            del fut, fn, args, kwargs  # no request bytes kept alive while idle
+            if task.claim():
+                task.run()
+            del task  # no request bytes kept alive while idle
 
     def close(self) -> None:
         with self._lock:
