@@ -67,7 +67,7 @@ EXIT_GRACE = 30.0
 #: Fault-tolerant jobs: seconds after the start (or after a spare took a dead worker's place)
 #: before a warm spare process is started (see :func:`_spare_main`); no spare when the
 #: variable ``STRATAGEM_FT_SPARES=0`` is set; ``STRATAGEM_FT_SPARE_DELAY`` overrides it.
-SPARE_DELAY = 10.0
+SPARE_DELAY = 2.0
 _MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 # os.environ is process-global; spawn copies it at start(), so concurrent launches must not
