@@ -32,8 +32,8 @@ def test_a_sigkilled_process_takes_its_replica_group_down_and_the_group_heals(tm
     # group 0. (Mirrored inside: test_ft.py, threads; FSDP2 needs launched processes.)
     # --min-replicas 2: group 0 waits for the replacement (as in the test above).
     proc = _start(tmp_path, "--strategy", "hierarchical_sharded", "--step-sleep", "0.01",
-                  "--timeout", "120", min_replicas=2, nproc=4, group=2, steps=40)
-    _wait_progress(tmp_path, [0, 1, 2, 3], 8, deadline=150)
+                  "--timeout", "120", min_replicas=2, nproc=4, group=2, steps=30)
+    _wait_progress(tmp_path, [0, 1, 2, 3], 6, deadline=150)
     survivors = {s: _pids(tmp_path, s) for s in (0, 1)}
     os.kill(_pids(tmp_path, 3)[-1], signal.SIGKILL)
     text = _finish(proc)

@@ -284,6 +284,7 @@ def test_fault_tolerant_launch_replaces_a_dead_worker_with_the_warm_spare(monkey
     # already imported), which takes the dead worker's place and environment.
     pytest.importorskip("torchft")
     monkeypatch.setattr(launch_mod, "SPARE_DELAY", 0.5)
+    monkeypatch.setattr(launch_mod, "SPARE_START_DELAY", 0.5)
     results = launch(_die_once_on_rank1, nprocs=2, args=(str(tmp_path / "done"),),
                      fault_tolerant=True, max_restarts=1, timeout=100)
     assert results[0]["process"] == "stratagem-worker-0"

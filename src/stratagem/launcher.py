@@ -64,10 +64,12 @@ __all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker
 TERMINATE_GRACE = 5.0
 #: Seconds a worker that already returned its result gets to exit before it is killed.
 EXIT_GRACE = 30.0
-#: Fault-tolerant jobs: seconds after the start (or after a spare took a dead worker's place)
-#: before a warm spare process is started (see :func:`_spare_main`); no spare when the
-#: variable ``STRATAGEM_FT_SPARES=0`` is set; ``STRATAGEM_FT_SPARE_DELAY`` overrides it.
+#: Fault-tolerant jobs: seconds after a spare took a dead worker's place before the next warm
+#: spare process is started (see :func:`_spare_main`); no spare when the variable
+#: ``STRATAGEM_FT_SPARES=0`` is set; ``STRATAGEM_FT_SPARE_DELAY`` overrides it.
 SPARE_DELAY = 2.0
+#: ... and after the job's start, where the workers' own start-up needs the CPUs.
+SPARE_START_DELAY = 10.0
 _MASTER_ADDR = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 # os.environ is process-global; spawn copies it at start(), so concurrent launches must not
@@ -724,7 +726,8 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
         # own (they would share the CPUs).
         use_spares = os.environ.get("STRATAGEM_FT_SPARES", "1") != "0"
         delay = _spare_delay()
-        spare_due = time.monotonic() + delay if fault_tolerant and use_spares else None
+        spare_due = (time.monotonic() + max(delay, SPARE_START_DELAY)
+                     if fault_tolerant and use_spares else None)
 
         def start(rank: int, attempt: int) -> tuple[BaseProcess, Connection]:
             nonlocal spare_due
