@@ -368,7 +368,6 @@ class FaultTolerantComm(Comm):
         group; the strategy calls it after its first :meth:`begin`."""
         if self.replica_group_size == 1 or self.committed_steps > 0:
             return
-        import hashlib
         import json
 
         from ..checkpoint.tree import decode, encode
@@ -379,8 +378,7 @@ class FaultTolerantComm(Comm):
         names = sorted(tensors)
         layout = json.dumps([[n, list(tensors[n].shape), str(tensors[n].dtype)]
                              for n in names]).encode()
-        digest = torch.frombuffer(bytearray(hashlib.sha256(layout).digest()), dtype=torch.int64)
-        if not all(torch.equal(d, digest) for d in group.all_gather(digest.clone())):
+        if not group.all_equal(layout):
             raise ReplicaMismatchError(
                 f"the processes of replica group {self.replica} hold differently shaped "
                 "training states (model, optimizer or strategy state). Fix: run the same "
