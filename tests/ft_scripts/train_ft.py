@@ -148,5 +148,6 @@ save_file({k: v.contiguous().clone() for k, v in final.state_dict().items()},  #
 with open(os.path.join(args.out, f"acc.{slot}"), "w") as f:
     c = strategy.comm
     f.write(f"{acc}\n{strategy.steps}\n{type(c).__name__} world={c.world_size} "
-            f"quorums={getattr(c, 'quorums', None)} heals={getattr(c, 'heals', None)} "
+            f"quorums={getattr(c, 'quorums', None)} "
+            f"elided={getattr(c, 'elided_quorums', None)} heals={getattr(c, 'heals', None)} "
             f"failed={getattr(c, 'failed_steps', None)}\n")

@@ -24,6 +24,17 @@ A *transaction* spans the collectives of one synchronising step:
   saw the failure; a replica that did commit while another did not is ahead by one step, and
   the next quorum heals the other from it, so replicas never stay apart.
 
+*Quorum elision.* While every launched replica is in the quorum and the last step committed,
+a transaction skips torchft's two per-step calls (the quorum with the Lighthouse and the
+commit vote with the manager server, ~5-10 ms on loopback) and runs on the quorum it has;
+every :data:`QUORUM_EVERY`-th committed step still asks. Nothing can join then (every slot is
+live), and a loss cannot go unnoticed: a collective over the quorum's group needs every
+member, so when one dies or fails its step (a failing replica closes its connections of the
+group, :meth:`_drop_group`), every other replica's next collective fails, its step does not
+commit, and it asks for a quorum, which heals whoever is behind. While a replica is missing,
+every transaction asks (a replacement joins at the next step). One process per replica only:
+a replica group's processes keep torchft's per-step vote.
+
 ``rank`` and ``world_size`` are the replica's place in the current quorum (they change when
 replicas leave or join). ``slot`` / ``num_slots`` are the replica's fixed place in the job as
 launched (``stratagem run --nproc N --fault-tolerant``: slots ``0..N-1``; a restarted worker
@@ -38,6 +49,7 @@ bind ``host`` only (loopback on one node). torchft's manager server binds every 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -53,11 +65,33 @@ from ..comm import Comm
 from ..errors import PeerTimeoutError, StratagemError
 
 __all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_manager_server",
-           "require_torchft"]
+           "require_torchft", "QUORUM_EVERY"]
+
+#: With every launched replica present, a quorum is asked for at every this many committed
+#: steps (and after any failed step); the steps between run on the quorum they have. 1: every
+#: step (torchft's own schedule). ``STRATAGEM_FT_QUORUM_EVERY`` overrides it.
+QUORUM_EVERY = 32
 
 #: Serialises the construction of managers (the manager-server rebinding patches a module
 #: attribute; tests build several managers at once in threads).
 _MANAGER_LOCK = threading.Lock()
+
+
+@functools.cache
+def _elision_supported() -> bool:
+    """Quorum elision updates the torchft manager's step bookkeeping itself (the attributes
+    its ``should_commit`` updates); with a torchft whose manager has other ones, every step
+    asks for a quorum."""
+    try:
+        from torchft import Manager
+    except ImportError:
+        return False
+    import inspect
+
+    code = getattr(inspect.unwrap(Manager.should_commit), "__code__", None)
+    names = ("_step", "_batches_committed", "_commit_failures", "_checkpoint_transport",
+             "disallow_checkpoint")
+    return code is not None and all(n in code.co_names for n in names)
 
 
 class QuorumError(StratagemError):
@@ -171,7 +205,7 @@ class FaultTolerantComm(Comm):
                  transport: Any = None, max_heal_bytes: int = 64 << 30,
                  allow_remote: bool = False, joining: bool = False, group_rank: int = 0,
                  group_size: int = 1, group_store: dist.Store | None = None,
-                 group_comm: Comm | None = None) -> None:
+                 group_comm: Comm | None = None, quorum_every: int | None = None) -> None:
         require_torchft()
         from torchft import Manager
 
@@ -202,6 +236,16 @@ class FaultTolerantComm(Comm):
         self._healed = False
         self.heal_seconds = 0.0
         self.quorums = 0
+        #: Transactions that ran on the quorum they had (see "Quorum elision" above).
+        self.elided_quorums = 0
+        if quorum_every is None:
+            quorum_every = int(os.environ.get("STRATAGEM_FT_QUORUM_EVERY", QUORUM_EVERY))
+        if quorum_every < 1:
+            raise ValueError(f"quorum_every must be >= 1, got {quorum_every}. Fix: 1 asks "
+                             f"for a quorum at every step; the default is {QUORUM_EVERY}")
+        self.quorum_every = quorum_every
+        self._elided = False
+        self._must_ask = True
         self.last_heal_bytes = 0
         self.last_quorum_size = 0
         self._job_store = job_store
@@ -312,6 +356,14 @@ class FaultTolerantComm(Comm):
         behind); idempotent while a transaction is open."""
         if self._open:
             return
+        if self._may_elide():
+            self._open = True
+            self._elided = True
+            self._error = None
+            self._collectives_at_begin = self.num_collectives
+            self.elided_quorums += 1
+            return
+        self._elided = False
         if self.quorums == 0 and not self._joining:
             self._await_launched_replicas()
         t0 = time.perf_counter()
@@ -332,6 +384,7 @@ class FaultTolerantComm(Comm):
         self._error = None
         self._collectives_at_begin = self.num_collectives
         self.quorums += 1
+        self._must_ask = False
         self._world = max(1, self.manager.num_participants())
         rank = self.manager.participating_rank()
         self._rank = 0 if rank is None else int(rank)
@@ -408,6 +461,13 @@ class FaultTolerantComm(Comm):
                     return
                 time.sleep(0.05)
 
+    def _may_elide(self) -> bool:
+        """Whether the next transaction may run on the quorum it has (module docstring)."""
+        return (self.quorum_every > 1 and not self._must_ask and self.quorums > 0
+                and self.replica_group_size == 1 and self._world == self.num_replica_groups
+                and self.committed_steps % self.quorum_every != 0 and _elision_supported()
+                and self.manager.errored() is None)
+
     def commit(self) -> bool:
         """True when every replica of the quorum completed this transaction's collectives;
         closes the transaction. Apply the step's result only on True."""
@@ -416,13 +476,32 @@ class FaultTolerantComm(Comm):
         self._open = False
         if self._error is not None:
             self._drop_group()
-        try:
-            ok = bool(self.manager.should_commit(timeout=timedelta(seconds=self.timeout)))
-        except Exception as exc:  # noqa: BLE001 - a peer died during the commit vote
-            self.manager.report_error(exc)
-            ok = False
+        if self._elided:
+            ok = self._commit_elided()
+        else:
+            try:
+                ok = bool(self.manager.should_commit(timeout=timedelta(seconds=self.timeout)))
+            except Exception as exc:  # noqa: BLE001 - a peer died during the commit vote
+                self.manager.report_error(exc)
+                ok = False
         if not ok:
             self.failed_steps += 1
+            self._must_ask = True
+        return ok
+
+    def _commit_elided(self) -> bool:
+        """The commit of a transaction that skipped the quorum: what torchft's
+        ``should_commit`` does for a replica group of one process, without its call to the
+        manager server (whose vote, with one voter, is this process's own)."""
+        manager = self.manager
+        ok = self._error is None and manager.errored() is None
+        manager._checkpoint_transport.disallow_checkpoint()
+        if ok:
+            manager._step += 1
+            manager._batches_committed += self._world
+            manager._commit_failures = 0
+        else:
+            manager._commit_failures += 1
         return ok
 
     def _drop_group(self) -> None:
@@ -584,7 +663,17 @@ class FaultTolerantComm(Comm):
 
     def all_reduce_topk(self, tensor: torch.Tensor, kind: Any, **kwargs: Any) -> torch.Tensor:
         self.begin()  # the quorum first: the payloads are decoded for its world size
-        return super().all_reduce_topk(tensor, kind, **kwargs)
+        try:
+            return super().all_reduce_topk(tensor, kind, **kwargs)
+        except ValueError:
+            if self._error is None:
+                raise  # a peer's payload is malformed: said by the check
+            # The gather failed (a peer was lost): its contents are undefined and the step
+            # will not commit, so nothing computed here is applied.
+            lost = kwargs.get("lost")
+            if lost is not None:
+                lost.zero_()
+            return tensor.clone()
 
     def diagnose(self, exc: BaseException, what: str) -> PeerTimeoutError:
         return PeerTimeoutError(f"{what} failed in a fault-tolerant job: {exc}")

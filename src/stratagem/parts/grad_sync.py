@@ -176,6 +176,25 @@ def _release_wrappers(wrappers: "weakref.WeakSet[DDP]") -> None:
     wrappers.clear()
 
 
+#: Whether this torch's DDP reducer can fix its bucket layout before the first backward.
+_CAN_PIN_LAYOUT = all(hasattr(torch._C._distributed_c10d.Reducer, name)
+                      for name in ("_push_all_rebuilt_params", "_rebuild_buckets"))
+
+
+def _pin_bucket_layout(ddp: DDP) -> None:
+    """Build ``ddp``'s final buckets now, from its parameters in registration order, instead
+    of after the first backward from the order their gradients became ready: the layout then
+    depends on the model alone, so a replica that joins late lines up with its peers. DDP
+    launches a bucket's all-reduce once every earlier bucket's is launched, so this layout
+    overlaps less communication with the backward than DDP's rebuilt one."""
+    ddp.reducer._push_all_rebuilt_params()
+    if not ddp.reducer._rebuild_buckets():
+        raise RuntimeError(
+            "DDP did not accept a fixed bucket layout (a static_graph model?), which a "
+            "fault-tolerant replica needs. Fix: pass find_unused_parameters=True to the "
+            "strategy")
+
+
 class GradientSync(Part):
     """All-reduce the gradients over ``comm`` during the backward, with DDP.
 
@@ -220,18 +239,24 @@ class GradientSync(Part):
         extra: dict[str, Any] = {}
         if not self.init_sync and _DDP_TAKES_INIT_SYNC:
             extra["init_sync"] = False
+        # A fault-tolerant Comm admits replicas whose DDP is new: DDP re-orders its buckets
+        # after its first backward (by the order the gradients became ready), so a new
+        # replica's first buckets would not line up with its peers' and the all-reduce would
+        # add up different parameters' gradients. Every replica's layout is therefore fixed
+        # at wrap time, from the parameters' order alone (_pin_bucket_layout); with a torch
+        # that cannot, find_unused_parameters keeps DDP's first layout (at the price of a
+        # graph traversal per forward).
+        pin = self.comm.elastic and not self.find_unused_parameters
         ddp = DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=self.comm.ddp_group(),
             bucket_cap_mb=self.bucket_cap_mb,
-            # A fault-tolerant Comm admits replicas whose DDP is new: DDP re-orders its buckets
-            # after its first backward unless find_unused_parameters, so a new replica's
-            # buckets would not line up with its peers' and the all-reduce would add up
-            # different parameters' gradients. With it, every replica keeps the same layout.
-            find_unused_parameters=self.find_unused_parameters or self.comm.elastic,
+            find_unused_parameters=self.find_unused_parameters or (pin and not _CAN_PIN_LAYOUT),
             **extra,
         )
+        if pin and _CAN_PIN_LAYOUT:
+            _pin_bucket_layout(ddp)
         self._wrappers.add(ddp)
         # The built-in path needs every reduced parameter to get a gradient in every
         # backward (true unless find_unused_parameters) for the byte counter, and dense
