@@ -77,9 +77,23 @@ def test_sigkilled_worker_on_node_1_is_restarted_by_its_node_and_heals(tmp_path:
                                         text=True))
             seen: list[set[tuple[str, int]]] = [set() for _ in range(NNODES)]
 
+            spaces = [f"net:[{os.stat(f'/run/netns/{topo.netns(i)}').st_ino}]"
+                      for i in range(NNODES)]
+
+            def inside(pid: int, node: int) -> bool:
+                try:
+                    return os.readlink(f"/proc/{pid}/ns/net") == spaces[node]
+                except OSError:
+                    return False
+
             def look() -> None:
+                # A launcher's table only once it is inside its namespace (between fork and
+                # `ip netns exec`'s setns it still reads the root namespace's), never after.
                 for node, p in enumerate(procs):
-                    seen[node] |= set(listening_sockets(p.pid).values())
+                    if inside(p.pid, node):
+                        table = set(listening_sockets(p.pid).values())
+                        if inside(p.pid, node):
+                            seen[node] |= table
 
             def output() -> str:
                 text = []
