@@ -468,21 +468,22 @@ def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
-def _node_barrier(store: Any, node: FTNode) -> None:
-    """The end of a job across nodes: every node's launcher says it is done; node 0, whose
-    quorum service and store the others' last steps may still need, waits for all of them
-    (at most :data:`NODE_WAIT` s)."""
+def _node_done(store: Any, node: FTNode) -> None:
+    """The end of a job across nodes. Another node's launcher says it is done, however it
+    ended; node 0, whose quorum service and store the others' last steps may still need,
+    waits (after its own success) until all of them have (at most :data:`NODE_WAIT` s)."""
     with contextlib.suppress(Exception):
-        done = int(store.add(_FT_NODES_DONE, 1))
+        if node.node_rank > 0:
+            store.add(_FT_NODES_DONE, 1)
+            return
         end = time.monotonic() + NODE_WAIT
-        while node.node_rank == 0 and done < node.nnodes:
+        while (done := int(store.add(_FT_NODES_DONE, 0))) < node.nnodes - 1:
             if time.monotonic() > end:
-                print(f"stratagem: node 0: only {done} of {node.nnodes} nodes finished within "
-                      f"{NODE_WAIT:g} s of this one; stopping the quorum service anyway",
-                      file=sys.stderr, flush=True)
+                print(f"stratagem: node 0: only {done} of the {node.nnodes - 1} other nodes "
+                      f"finished within {NODE_WAIT:g} s of this one; stopping the quorum "
+                      "service anyway", file=sys.stderr, flush=True)
                 return
             time.sleep(0.1)
-            done = int(store.add(_FT_NODES_DONE, 0))
 
 
 class _Supervisor:
@@ -569,7 +570,8 @@ class _Supervisor:
             last = tb.strip().splitlines()[-1] if tb.strip() else summary
             return f"worker {self.offset + rank} raised {last}"
         code = self.procs[rank].exitcode
-        return f"worker {self.offset + rank} {describe_exitcode(code) if code is not None else 'vanished'}"
+        how = describe_exitcode(code) if code is not None else "vanished"
+        return f"worker {self.offset + rank} {how}"
 
     def _exitcode(self, rank: int) -> int:
         code = self.procs[rank].exitcode
@@ -1006,10 +1008,12 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
                     sup.add(*start(rank, attempts[0]))
                 continue
             raise failure
-        if node is not None:
-            _node_barrier(store, node)
+        if node is not None and node.node_rank == 0:
+            _node_done(store, node)
         return [sup.results[r] for r in range(nprocs)]
     finally:
+        if node is not None and node.node_rank > 0:
+            _node_done(store, node)
         for one in spares:
             one.stop()
         if sup is not None:
