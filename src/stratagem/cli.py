@@ -219,7 +219,12 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
                         "Hierarchical with --replica-group-size): "
                         "start the quorum service, restart a dead worker alone (up to "
                         "--max-restarts per worker, default 10) and heal it from a live peer; "
-                        "needs stratagem[ft]")
+                        "on several nodes also --ft-token-file; needs stratagem[ft]")
+    p.add_argument("--ft-token-file", default=None, metavar="PATH",
+                   help="with --fault-tolerant on several nodes (required there): the job's "
+                        "secret for the heal transport, the same file on every node (mode "
+                        "0600, not a symbolic link, at least 16 bytes, e.g. `umask 077; "
+                        "openssl rand -hex 32 > PATH`); one node makes its own")
     p.add_argument("--replica-group-size", type=_nproc, default=1,
                    help="with --fault-tolerant: processes per replica group (a node of "
                         "--strategy hierarchical: sync inside, fault tolerant across); a "
@@ -449,40 +454,106 @@ def _run(args: argparse.Namespace) -> int:
 def _run_fault_tolerant(args: argparse.Namespace, env: dict[str, str]) -> int:
     """``stratagem run --fault-tolerant``: the workers run under :func:`stratagem.launch`'s
     supervisor (not torchrun, which restarts every worker when one fails), each a replica of
-    its own; a dead one is restarted alone and heals from a live peer (issue 22)."""
+    its own; a dead one is restarted alone and heals from a live peer (issue 22). On several
+    nodes each node's launcher is :func:`stratagem.launcher.launch_node` (node 0 hosts the
+    store on --master-addr:--master-port and the quorum service on the next port)."""
     from stratagem.errors import WorkerError
-    from stratagem.launcher import launch, run_script
+    from stratagem.launcher import launch, launch_node, run_script
 
-    if not _loopback_job(args) or args.num_ps:
-        print("stratagem run: error: --fault-tolerant runs on one node for now (the quorum "
-              "service, heal servers and stores listen on 127.0.0.1), without --num-ps. Fix: "
-              "drop --nnodes/--master-addr/--num-ps, or launch without --fault-tolerant",
-              file=sys.stderr)
+    if args.num_ps or args.rdzv_backend is not None or (
+            args.nnodes is not None and ":" in args.nnodes):
+        print("stratagem run: error: --fault-tolerant runs on one node, or on a fixed number "
+              "of nodes meeting at node 0 (--nnodes N --node-rank R --master-addr A), without "
+              "--num-ps, --rdzv-backend or --nnodes MIN:MAX. Fix: drop those flags, or launch "
+              "without --fault-tolerant", file=sys.stderr)
         return 2
     size = args.replica_group_size
     if args.nproc % size:
         print(f"stratagem run: error: --replica-group-size {size} does not divide --nproc "
-              f"{args.nproc}. Fix: pass a divisor of --nproc", file=sys.stderr)
+              f"{args.nproc} (a replica group never spans nodes). Fix: pass a divisor of "
+              "--nproc", file=sys.stderr)
         return 2
-    groups = args.nproc // size
+    nnodes = int(args.nnodes or "1")  # N (MIN:MAX was refused above)
+    groups = args.nproc * nnodes // size
     if args.min_replicas > groups:
-        what = f"--nproc {args.nproc}" if size == 1 else f"the {groups} replica groups"
+        what = (f"--nproc {args.nproc}" if size == 1 and nnodes == 1
+                else f"the job's {groups} replica groups")
         print(f"stratagem run: error: --min-replicas {args.min_replicas} is more than {what}. "
               "Fix: lower --min-replicas", file=sys.stderr)
         return 2
+    if nnodes > 1:
+        node = _ft_node(args, size)
+        if isinstance(node, str):
+            print(f"stratagem run: error: {node}", file=sys.stderr)
+            return 2
+    elif args.ft_token_file is not None:
+        print("stratagem run: error: --ft-token-file is for fault-tolerant jobs on several "
+              "nodes; on one node the launcher makes a fresh secret of its own. Fix: drop "
+              "--ft-token-file, or pass --nnodes N --node-rank R --master-addr A",
+              file=sys.stderr)
+        return 2
     extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
     extra.setdefault("RUST_LOG", "warn")
+    script = (args.script, list(args.script_args), args.module)
     try:
-        launch(run_script, nprocs=args.nproc, args=(args.script, list(args.script_args),
-                                                     args.module),
-               env=extra, fault_tolerant=True, min_replicas=args.min_replicas, nnodes=groups,
-               max_restarts=args.max_restarts)
+        if nnodes > 1:
+            print(f"stratagem run: node {node.node_rank} of {nnodes}, fault tolerant: the job "
+                  f"store {'listens' if node.node_rank == 0 else 'is'} on "
+                  f"{node.master_addr}:{node.master_port} and the quorum service on "
+                  f"{node.master_addr}:{node.quorum_port} (node 0), this node's workers' "
+                  f"servers on {node.host} only; heals need the token, the store and the "
+                  "quorum service authenticate nobody: keep this network private",
+                  file=sys.stderr)
+            launch_node(run_script, nproc=args.nproc, node=node, args=script, env=extra,
+                        min_replicas=args.min_replicas, max_restarts=args.max_restarts)
+        else:
+            launch(run_script, nprocs=args.nproc, args=script, env=extra, fault_tolerant=True,
+                   min_replicas=args.min_replicas, nnodes=groups,
+                   max_restarts=args.max_restarts)
     except WorkerError as e:
         print(f"stratagem run: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _ft_node(args: argparse.Namespace, group: int) -> Any:
+    """This node's :class:`~stratagem.launcher.FTNode` for ``stratagem run --fault-tolerant
+    --nnodes N ...``, or the one-line reason it cannot run (the addresses were checked by
+    :func:`network_env`)."""
+    from stratagem._rendezvous import interface_of_address, interface_towards
+    from stratagem.ft.launch import read_token_file
+    from stratagem.launcher import FTNode
+
+    path = args.ft_token_file
+    if path is None:
+        return (f"--fault-tolerant on {args.nnodes} nodes needs the job's secret in a file "
+                "every node can read, for the heal transport that crosses the network. Fix: "
+                "create one (umask 077; openssl rand -hex 32 > ft.token), copy it to every "
+                "node and pass --ft-token-file ft.token")
+    try:
+        read_token_file(path)
+    except (OSError, ValueError) as e:
+        what = e if isinstance(e, ValueError) else f"cannot read {path} ({e.strerror})"
+        return (f"--ft-token-file: {what}" + ("" if isinstance(e, ValueError) else
+                ". Fix: pass a regular file of mode 0600 (not a symbolic link)"))
+    port = args.master_port or 29500
+    if port >= 65535:
+        return (f"--master-port {port}: the quorum service listens on the next port, "
+                f"{port + 1}, which does not exist. Fix: pass a lower --master-port")
+    try:
+        master = socket.gethostbyname(args.master_addr)
+        host = master if args.node_rank == 0 else interface_towards(master)[0]
+    except OSError as e:
+        return f"cannot resolve --master-addr {args.master_addr} ({e}). Fix: pass its IP address"
+    if args.iface is not None and interface_of_address(host) not in (args.iface, None):
+        return (f"--iface {args.iface}: this node reaches --master-addr {args.master_addr} "
+                f"from {host}, on interface {interface_of_address(host)}; the fault-tolerant "
+                "workers' servers listen there. Fix: drop --iface, or route the job's network "
+                f"through {args.iface}")
+    return FTNode(node_rank=args.node_rank, nnodes=int(args.nnodes), master_addr=master,
+                  master_port=port, host=host, token_file=os.path.abspath(path), group=group)
 
 
 def _supervise(cmd: list[str], env: dict[str, str]) -> int:

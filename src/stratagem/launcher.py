@@ -47,18 +47,19 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, cast
 
-from stratagem._rendezvous import is_loopback, loopback_env, loopback_tcp_store
+from stratagem._rendezvous import bound_tcp_store, is_loopback, loopback_env, loopback_tcp_store
 from stratagem.errors import ParameterServerUnavailable, WorkerError
 from stratagem.validation import check_choice, check_int
 
 __all__ = ["launch", "start_ps_shards", "PSShards", "ps_server_command", "worker_env",
-           "check_nnodes"]
+           "check_nnodes", "launch_node", "FTNode"]
 
 #: Seconds between SIGTERM and SIGKILL when stopping processes.
 TERMINATE_GRACE = 5.0
@@ -467,10 +468,31 @@ def _patched_environ(values: Mapping[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
-class _Supervisor:
-    """Watches the workers' result pipes and exit sentinels until all are done or one fails."""
+def _node_done(store: Any, node: FTNode) -> None:
+    """The end of a job across nodes. Another node's launcher says it is done, however it
+    ended; node 0, whose quorum service and store the others' last steps may still need,
+    waits (after its own success) until all of them have (at most :data:`NODE_WAIT` s)."""
+    with contextlib.suppress(Exception):
+        if node.node_rank > 0:
+            store.add(_FT_NODES_DONE, 1)
+            return
+        end = time.monotonic() + NODE_WAIT
+        while (done := int(store.add(_FT_NODES_DONE, 0))) < node.nnodes - 1:
+            if time.monotonic() > end:
+                print(f"stratagem: node 0: only {done} of the {node.nnodes - 1} other nodes "
+                      f"finished within {NODE_WAIT:g} s of this one; stopping the quorum "
+                      "service anyway", file=sys.stderr, flush=True)
+                return
+            time.sleep(0.1)
 
-    def __init__(self) -> None:
+
+class _Supervisor:
+    """Watches the workers' result pipes and exit sentinels until all are done or one fails.
+    Workers are numbered from 0 here; ``offset`` (the first one's rank in a job across nodes)
+    is added where they are named."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
         self.procs: list[BaseProcess] = []
         self.readers: dict[Connection, int] = {}
         self.results: dict[int, Any] = {}
@@ -546,9 +568,10 @@ class _Supervisor:
         if rank in self.errors:
             summary, tb = self.errors[rank]
             last = tb.strip().splitlines()[-1] if tb.strip() else summary
-            return f"worker {rank} raised {last}"
+            return f"worker {self.offset + rank} raised {last}"
         code = self.procs[rank].exitcode
-        return f"worker {rank} {describe_exitcode(code) if code is not None else 'vanished'}"
+        how = describe_exitcode(code) if code is not None else "vanished"
+        return f"worker {self.offset + rank} {how}"
 
     def _exitcode(self, rank: int) -> int:
         code = self.procs[rank].exitcode
@@ -558,15 +581,16 @@ class _Supervisor:
         code = self.procs[rank].exitcode
         if rank in self.errors:
             summary, tb = self.errors[rank]
-            return WorkerError(f"worker rank {rank} raised {summary}\n\n{tb}", rank=rank,
+            return WorkerError(f"worker rank {self.offset + rank} raised {summary}\n\n{tb}",
+                               rank=self.offset + rank,
                                exitcode=code, traceback_text=tb)
         how = describe_exitcode(code) if code is not None else "closed its result pipe"
         hint = ""
         if code == 1:
             hint = (" (if it failed while importing, fn must live in an importable module: "
                     "see the worker's output above)")
-        return WorkerError(f"worker rank {rank} {how} before returning a result{hint}",
-                           rank=rank, exitcode=code)
+        return WorkerError(f"worker rank {self.offset + rank} {how} before returning a "
+                           f"result{hint}", rank=self.offset + rank, exitcode=code)
 
     @property
     def done(self) -> bool:
@@ -647,7 +671,9 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     fewest replicas a quorum may have. With ``nnodes=K`` each simulated node is one replica
     group of ``nprocs // K`` processes (``Hierarchical``: sync inside, fault tolerant
     across): a dead process takes its group down, and the launcher restarts that whole
-    group (``min_replicas`` then counts groups).
+    group (``min_replicas`` then counts groups). Every process runs on this machine; a
+    fault-tolerant job across real nodes is :func:`launch_node` on each (``stratagem run
+    --nnodes K --fault-tolerant``).
     """
     check_int("nprocs", nprocs, minimum=1, fix="pass e.g. nprocs=2")
     check_int("num_ps", num_ps, minimum=0, fix="pass 0 for no shards")
@@ -680,37 +706,177 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
 
     check_launch_env({**os.environ, **(env or {})}, world_size=nprocs,
                      local_world_size=nprocs // nnodes, num_ps=num_ps)
+    return _launch(fn, nprocs, num_ps, args, nnodes=nnodes, timeout=timeout, env=env,
+                   max_restarts=max_restarts, restart=restart, fault_tolerant=fault_tolerant,
+                   min_replicas=min_replicas, node=None)
+
+
+@dataclass(frozen=True)
+class FTNode:
+    """This machine's place in a fault-tolerant job across nodes (``stratagem run --nnodes K
+    --node-rank i --master-addr A --master-port Q --fault-tolerant``), for
+    :func:`launch_node`.
+
+    ``master_addr`` (an IP address) and ``master_port``: node 0's job store; node 0's quorum
+    service listens on ``master_addr:master_port + 1``. ``host``: this node's own address on
+    the network the nodes share (the one that routes to ``master_addr``); every server of this
+    node's workers binds it alone. ``token_file``: the job's secret, the same on every node.
+    ``group``: processes per replica group (it divides the processes per node: a group never
+    spans nodes).
+    """
+
+    node_rank: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+    host: str
+    token_file: str
+    group: int = 1
+
+    @property
+    def quorum_port(self) -> int:
+        """Where node 0's quorum service listens: the port after the store's."""
+        return self.master_port + 1
+
+
+#: Seconds a node waits for node 0's store and quorum service, and node 0 for the other
+#: nodes' launchers to finish at the end (they may still need its quorum service).
+NODE_WAIT = 300.0
+
+
+def launch_node(fn: Callable[..., Any], *, nproc: int, node: FTNode,
+                args: tuple[Any, ...] = (), env: Mapping[str, str] | None = None,
+                min_replicas: int = 1, max_restarts: int | None = None) -> list[Any]:
+    """One node's share of a fault-tolerant job across nodes: the launcher and supervisor of
+    ``nproc`` workers on this machine (global ranks ``node.node_rank * nproc + i``), as
+    :func:`launch` with ``fault_tolerant=True`` is on one machine; returns this node's
+    results. Node 0 also hosts the job store and the quorum service, and waits (at most
+    :data:`NODE_WAIT` s) for the other nodes' launchers to finish before stopping them. A
+    dead worker is restarted by its own node's launcher, alone (or with its replica group)."""
+    check_int("nproc", nproc, minimum=1, fix="pass e.g. nproc=2")
+    if max_restarts is None:
+        max_restarts = 10
+    check_int("max_restarts", max_restarts, minimum=0, fix="pass 0 to never restart")
+    check_int("min_replicas", min_replicas, minimum=1,
+              fix="pass the fewest live replicas training may continue with, e.g. 2")
+    if nproc % node.group:
+        raise ValueError(f"a replica group of {node.group} processes must not span nodes: it "
+                         f"must divide the {nproc} processes per node. Fix: pass a divisor of "
+                         f"{nproc}")
+    groups = nproc * node.nnodes // node.group
+    if min_replicas > groups:
+        raise ValueError(f"min_replicas must be <= the job's {groups} replica groups, got "
+                         f"min_replicas={min_replicas}. Fix: lower min_replicas")
+    _check_picklable_target(fn)
+    from stratagem._argcheck import check_launch_env
+
+    check_launch_env({**os.environ, **(env or {})}, world_size=nproc * node.nnodes,
+                     local_world_size=nproc, num_ps=0)
+    return _launch(fn, nproc, 0, args, nnodes=node.nnodes, timeout=None, env=env,
+                   max_restarts=max_restarts, restart="failed", fault_tolerant=True,
+                   min_replicas=min_replicas, node=node)
+
+
+def _job_store(node: FTNode | None) -> Any:
+    """The job's store: on loopback (one machine), bound to ``master_addr`` (node 0 of several)
+    or a client of node 0's (the other nodes)."""
+    if node is None:
+        # Port 0 lets the OS pick a free port with no race; the store lives as long as the
+        # launch and listens on loopback only (issue 10).
+        return loopback_tcp_store(_MASTER_ADDR, 0, timeout=timedelta(seconds=60))
+    if node.node_rank == 0:
+        return bound_tcp_store(node.master_addr, node.master_port,
+                               timeout=timedelta(seconds=60))
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(node.master_addr, node.master_port, is_master=False,
+                        timeout=timedelta(seconds=NODE_WAIT), wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
+        raise WorkerError(f"node {node.node_rank} could not reach node 0's job store at "
+                          f"{node.master_addr}:{node.master_port} within {NODE_WAIT:g} s ({e}). "
+                          "Fix: start node 0 with the same --master-addr/--master-port, or "
+                          "check the network between the nodes") from e
+
+
+_FT_READY = "stratagem/ft/quorum_ready"
+_FT_FINISHED = "stratagem/ft/finished"
+_FT_NODES_DONE = "stratagem/ft/nodes_done"
+
+
+def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, ...], *,
+            nnodes: int, timeout: float | None, env: Mapping[str, str] | None,
+            max_restarts: int, restart: str, fault_tolerant: bool, min_replicas: int,
+            node: FTNode | None) -> list[Any]:
+    """:func:`launch`'s and :func:`launch_node`'s supervisor (arguments checked there).
+    ``nprocs``: the workers on this machine; with ``node`` they are ranks ``offset ..
+    offset + nprocs - 1`` of ``world`` across ``nnodes`` real nodes."""
+    world = nprocs * nnodes if node is not None else nprocs
+    offset = node.node_rank * nprocs if node is not None else 0
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
     shards: PSShards | None = None
     quorum: Any = None
     sup: _Supervisor | None = None
     spares: list[_Spare] = []
-    # Port 0 lets the OS pick a free port with no race; the store lives as long as this call
-    # and listens on loopback only (issue 10).
-    store = loopback_tcp_store(_MASTER_ADDR, 0, timeout=timedelta(seconds=60))
+    store = _job_store(node)
     try:
         if num_ps:
             shards = start_ps_shards(num_ps)
+        # Fault tolerant on K simulated nodes: each node is one replica group; on real nodes,
+        # --replica-group-size.
+        if node is not None:
+            group = node.group
+        else:
+            group = nprocs // nnodes if fault_tolerant and nnodes > 1 else 1
+        lighthouse = ""
         if fault_tolerant:
-            from .ft.launch import QuorumService
+            from .ft.launch import QuorumService, lighthouse_address
 
-            quorum = QuorumService(num_slots=nprocs if nnodes == 1 else nnodes,
-                                   min_replicas=min_replicas)
-        # Fault tolerant on K simulated nodes: each node is one replica group.
-        group = nprocs // nnodes if fault_tolerant and nnodes > 1 else 1
+            if node is None:
+                quorum = QuorumService(num_slots=nprocs if nnodes == 1 else nnodes,
+                                       min_replicas=min_replicas)
+                lighthouse = quorum.address()
+            else:
+                if node.node_rank == 0:
+                    quorum = QuorumService(num_slots=world // group, min_replicas=min_replicas,
+                                           host=node.master_addr, port=node.quorum_port,
+                                           allow_remote=not is_loopback(node.master_addr),
+                                           token_file=node.token_file)
+                    store.set(_FT_READY, "1")
+                else:  # node 0's quorum service: up before this node's workers start
+                    try:
+                        store.wait([_FT_READY], timedelta(seconds=NODE_WAIT))
+                    except Exception as e:  # noqa: BLE001 - torch's store timeout/closed
+                        raise WorkerError(
+                            f"node {node.node_rank}: node 0's quorum service did not start "
+                            f"within {NODE_WAIT:g} s ({e}). Fix: check node 0's output (it "
+                            "needs stratagem[ft] and a free port "
+                            f"{node.quorum_port} on {node.master_addr})") from e
+                lighthouse = lighthouse_address(node.master_addr, node.quorum_port)
         base = {**os.environ, **(env or {})}
-        port = store.port
+        port = store.port if node is None else node.master_port
+        master_addr = _MASTER_ADDR if node is None else node.master_addr
 
         def environment(rank: int, attempt: int) -> dict[str, str]:
-            wenv = worker_env(rank=rank, world_size=nprocs, master_port=port,
+            rank += offset  # this machine's worker ``rank``: the job's ``offset + rank``
+            wenv = worker_env(rank=rank, world_size=world, master_port=port,
+                              master_addr=master_addr,
                               ps_addrs=shards.addresses if shards else (), base=base,
                               nnodes=nnodes, max_restarts=max_restarts)
             if shards is not None:
                 wenv.update(shards.env())  # the shards' token file (issue 11)
             wenv.update(env or {})
-            if quorum is not None:
-                wenv.update(quorum.env(rank // group))
+            if fault_tolerant:
+                from .ft.launch import worker_env as ft_env
+
+                if node is None:
+                    assert quorum is not None
+                    wenv.update(quorum.env(rank // group))
+                else:
+                    wenv.update(ft_env(slot=rank // group, num_slots=world // group,
+                                       lighthouse=lighthouse, min_replicas=min_replicas,
+                                       token_file=node.token_file, host=node.host))
                 if group > 1:
                     from .ft.env import GROUP_RANK_ENV, GROUP_SIZE_ENV
 
@@ -745,13 +911,14 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             w.close()  # keep only the child's end open, so its death reads as EOF here
             return p, r
 
-        sup = _Supervisor()
+        sup = _Supervisor(offset)
         for rank in range(nprocs):
             sup.add(*start(rank, 0))
         # Issue 6: restart budget (total for "all", per rank for "failed").
         attempts = [0] * nprocs
         last: dict[int, str] = {}
         ended: set[int] = set()
+        finished = False  # several nodes: a replica of any node has finished training
         all_reported: float | None = None
         while not sup.done:
             left = 3600.0 if deadline is None else deadline - time.monotonic()
@@ -761,12 +928,12 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                 all_reported = all_reported or time.monotonic()
                 left = min(left, all_reported + EXIT_GRACE - time.monotonic())
                 if left <= 0:
-                    stuck = [r for r in range(nprocs) if r not in sup.exited]
+                    stuck = [offset + r for r in range(nprocs) if r not in sup.exited]
                     warnings.warn(f"workers {stuck} returned but did not exit within "
                                   f"{EXIT_GRACE:g} s; they were killed", stacklevel=2)
                     break
             if left <= 0:
-                running = [r for r in range(nprocs) if r not in sup.exited]
+                running = [offset + r for r in range(nprocs) if r not in sup.exited]
                 raise WorkerError(
                     f"launch timed out after {timeout:g} s with ranks {running} still running; "
                     "all workers were stopped. Find the hang (often a collective waiting for "
@@ -778,19 +945,28 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
             if spare_due is not None and len(spares) < group:
                 wait_s = max(0.0, min(wait_s, spare_due - time.monotonic() + 0.01))
             failure = sup.poll(wait_s)
+            if node is not None and sup.results and not finished:
+                finished = True  # tell the other nodes: a replica has finished training
+                with contextlib.suppress(Exception):
+                    store.set(_FT_FINISHED, "1")
             if failure is None:
                 continue
             # Issue 6: restarts. Every rank that exited without a result has failed.
             dead = sorted(r for r in sup.exited if r not in sup.results)
-            if fault_tolerant and sup.results:
+            if node is not None and not finished:
+                with contextlib.suppress(Exception):
+                    finished = bool(store.check([_FT_FINISHED]))
+            if fault_tolerant and (sup.results or finished):
                 # Issue 22: a replica has finished training, so the job is over; a replica lost
                 # now has nothing left to train (its peers hold the final model) and a
                 # replacement would find nobody to heal from.
                 for r in dead:
                     if r not in ended:
                         ended.add(r)
-                        print(f"stratagem: {sup.describe(r)} after replica(s) "
-                              f"{sorted(sup.results)} finished training; not restarted",
+                        who = (f"replica(s) {sorted(offset + w for w in sup.results)}"
+                               if sup.results else "a replica on another node")
+                        print(f"stratagem: {sup.describe(r)} after {who} finished training; "
+                              "not restarted",
                               file=sys.stderr, flush=True)
                         sup.results[r] = None
                 continue
@@ -815,24 +991,29 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                 for r in dead:
                     attempts[r] += 1
                     # Say why: a worker restarted in silence hides the bug that kills it.
+                    g = (offset + r) // group
                     why = (sup.describe(r) if r in sup.exited
-                           else f"worker {r} is in replica group {r // group}, which lost a "
+                           else f"worker {offset + r} is in replica group {g}, which lost a "
                                 "process")
-                    alone = "alone" if group == 1 else f"with its replica group {r // group}"
-                    print(f"stratagem: {why}; restarting worker {r} {alone} (restart "
+                    alone = "alone" if group == 1 else f"with its replica group {g}"
+                    print(f"stratagem: {why}; restarting worker {offset + r} {alone} (restart "
                           f"{attempts[r]} of {max_restarts})", file=sys.stderr, flush=True)
                     sup.restart(r, *start(r, attempts[r]))
                 continue
             if restart == "all" and attempts[0] < max_restarts:
                 attempts[0] += 1
                 sup.stop_all()
-                sup = _Supervisor()
+                sup = _Supervisor(offset)
                 for rank in range(nprocs):
                     sup.add(*start(rank, attempts[0]))
                 continue
             raise failure
+        if node is not None and node.node_rank == 0:
+            _node_done(store, node)
         return [sup.results[r] for r in range(nprocs)]
     finally:
+        if node is not None and node.node_rank > 0:
+            _node_done(store, node)
         for one in spares:
             one.stop()
         if sup is not None:

@@ -33,6 +33,7 @@ from .env import (
 )
 
 __all__ = ["QuorumService", "comm_from_env", "worker_env", "read_token_file",
+           "lighthouse_address",
            "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS"]
 
 #: A replica whose manager has not heartbeaten for this long leaves the quorum (torchft's
@@ -51,7 +52,8 @@ class QuorumService:
     """
 
     def __init__(self, *, num_slots: int, min_replicas: int = 1, host: str = "127.0.0.1",
-                 allow_remote: bool = False) -> None:
+                 allow_remote: bool = False, port: int = 0,
+                 token_file: str | None = None) -> None:
         from .comm import require_torchft
 
         require_torchft()
@@ -64,12 +66,23 @@ class QuorumService:
         if min_replicas > num_slots:
             raise ValueError(f"min_replicas must be <= the number of workers, got min_replicas="
                              f"{min_replicas} > {num_slots}. Fix: lower --min-replicas")
+        if token_file is not None:
+            read_token_file(token_file)  # the user's secret (several nodes): checked first
         self.host = host
         self.num_slots = num_slots
         self.min_replicas = min_replicas
+        bind = f"[{host}]" if ":" in host else host
         self._server = LighthouseServer(
-            bind=f"{host}:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+            bind=f"{bind}:{port}", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
             heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, quorum_tick_ms=50)
+        # torchft's address() names this machine's host name, which need not resolve to the
+        # address the server is bound to (another node cannot resolve it at all): advertise
+        # ``host`` itself.
+        self.port = int(str(self._server.address()).rsplit(":", 1)[1])
+        self._dir: str | None = None
+        if token_file is not None:
+            self.token_file = token_file
+            return
         self._dir = tempfile.mkdtemp(prefix="stratagem-ft-")
         self.token_file = os.path.join(self._dir, "token")
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -78,7 +91,7 @@ class QuorumService:
 
     def address(self) -> str:
         """``http://host:port`` of the Lighthouse."""
-        return str(self._server.address())
+        return lighthouse_address(self.host, self.port)
 
     def env(self, slot: int) -> dict[str, str]:
         """The variables worker ``slot`` needs (see :mod:`stratagem.ft.env`)."""
@@ -89,6 +102,8 @@ class QuorumService:
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self._server.shutdown()
+        if self._dir is None:
+            return  # the user's token file (a multi-node job): not ours to remove
         with contextlib.suppress(OSError):
             os.unlink(self.token_file)
         with contextlib.suppress(OSError):
@@ -99,6 +114,11 @@ class QuorumService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def lighthouse_address(host: str, port: int) -> str:
+    """The quorum service's URL at ``host:port`` (IPv6 in brackets)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def worker_env(*, slot: int, num_slots: int, lighthouse: str, min_replicas: int,

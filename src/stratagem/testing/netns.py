@@ -57,12 +57,13 @@ class NetnsUnavailable(RuntimeError):
     """Network namespaces, veth, bridges or tbf cannot be used on this machine."""
 
 
-def listening_sockets() -> dict[int, tuple[str, int]]:
-    """Every listening TCP socket of the reader's network namespace, by socket inode:
-    ``{inode: (ip, port)}`` from ``/proc/net/tcp{,6}`` (their addresses are hex, host byte
-    order per 32-bit word). Empty where ``/proc`` cannot be read."""
+def listening_sockets(pid: int | None = None) -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket of the reader's network namespace (or process ``pid``'s),
+    by socket inode: ``{inode: (ip, port)}`` from ``/proc/net/tcp{,6}`` (their addresses are
+    hex, host byte order per 32-bit word). Empty where ``/proc`` cannot be read."""
     out: dict[int, tuple[str, int]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    root = "/proc" if pid is None else f"/proc/{pid}"
+    for table in (f"{root}/net/tcp", f"{root}/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
