@@ -121,7 +121,7 @@ def test_without_faults_replicas_stay_bitwise_equal_and_nothing_fails():
     assert all(r[3] == 0 for r in results)
 
 
-@pytest.mark.parametrize("quorum_every", [1, None], ids=["quorum_every_step", "elided"])
+@pytest.mark.parametrize("quorum_every", [None, 32], ids=["quorum_every_step", "elided"])
 def test_a_failed_collective_is_applied_nowhere_that_saw_it_and_the_replica_catches_up(
         quorum_every):
     # Replica 1's all-reduce of step 5 is recorded as failed (it stays alive): it does not
@@ -132,7 +132,7 @@ def test_a_failed_collective_is_applied_nowhere_that_saw_it_and_the_replica_catc
     _assert_equal(results)
     assert results[1][3] == 1  # one failed step, then one heal more than its peers
     assert results[1][2] == max(results[0][2], results[2][2]) + 1
-    if quorum_every == 1:
+    if quorum_every is None:
         assert results[0][3] == 0 and results[2][3] == 0
     else:
         # Its peers' next step ran on the quorum they had, without replica 1 (which asked for

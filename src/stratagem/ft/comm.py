@@ -24,16 +24,21 @@ A *transaction* spans the collectives of one synchronising step:
   saw the failure; a replica that did commit while another did not is ahead by one step, and
   the next quorum heals the other from it, so replicas never stay apart.
 
-*Quorum elision.* While every launched replica is in the quorum and the last step committed,
-a transaction skips torchft's two per-step calls (the quorum with the Lighthouse and the
-commit vote with the manager server, ~5-10 ms on loopback) and runs on the quorum it has;
-every :data:`QUORUM_EVERY`-th committed step still asks. Nothing can join then (every slot is
+*Quorum elision* (opt-in: ``quorum_every > 1``, ``STRATAGEM_FT_QUORUM_EVERY``). While every
+launched replica is in the quorum and the last step committed, a transaction skips
+torchft's two per-step calls (the quorum with the Lighthouse and the commit vote with the
+manager server, ~5-10 ms on loopback) and runs on the quorum it has; every
+``quorum_every``-th committed step still asks. Nothing can join then (every slot is
 live), and a loss cannot go unnoticed: a collective over the quorum's group needs every
 member, so when one dies or fails its step (a failing replica closes its connections of the
 group, :meth:`_drop_group`), every other replica's next collective fails, its step does not
 commit, and it asks for a quorum, which heals whoever is behind. While a replica is missing,
 every transaction asks (a replacement joins at the next step). One process per replica only:
-a replica group's processes keep torchft's per-step vote.
+a replica group's processes keep torchft's per-step vote. Why it is not the default: a
+replica that fails a step while staying alive cannot make its peers' next collective fail
+at once (gloo's abort does not close the connections), so they wait in it up to
+``timeout`` before asking; a replica whose process dies closes its sockets and costs
+nothing more. Measured in ``docs/reliability.md`` ("Quorum elision").
 
 ``rank`` and ``world_size`` are the replica's place in the current quorum (they change when
 replicas leave or join). ``slot`` / ``num_slots`` are the replica's fixed place in the job as
@@ -67,10 +72,11 @@ from ..errors import PeerTimeoutError, StratagemError
 __all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_manager_server",
            "require_torchft", "QUORUM_EVERY"]
 
-#: With every launched replica present, a quorum is asked for at every this many committed
-#: steps (and after any failed step); the steps between run on the quorum they have. 1: every
-#: step (torchft's own schedule). ``STRATAGEM_FT_QUORUM_EVERY`` overrides it.
-QUORUM_EVERY = 32
+#: The default of ``quorum_every``: 1, a quorum at every synchronising step (torchft's own
+#: schedule). ``STRATAGEM_FT_QUORUM_EVERY=32`` (or ``quorum_every=32``) turns quorum
+#: elision on: with every launched replica present, a quorum is asked for at every 32nd
+#: committed step and after any failed step only (see the module docstring for its cost).
+QUORUM_EVERY = 1
 
 #: Serialises the construction of managers (the manager-server rebinding patches a module
 #: attribute; tests build several managers at once in threads).
@@ -241,8 +247,8 @@ class FaultTolerantComm(Comm):
         if quorum_every is None:
             quorum_every = int(os.environ.get("STRATAGEM_FT_QUORUM_EVERY", QUORUM_EVERY))
         if quorum_every < 1:
-            raise ValueError(f"quorum_every must be >= 1, got {quorum_every}. Fix: 1 asks "
-                             f"for a quorum at every step; the default is {QUORUM_EVERY}")
+            raise ValueError(f"quorum_every must be >= 1, got {quorum_every}. Fix: 1 (the "
+                             "default) asks for a quorum at every step; e.g. 32 elides them")
         self.quorum_every = quorum_every
         self._elided = False
         self._must_ask = True
