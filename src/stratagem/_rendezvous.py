@@ -48,6 +48,13 @@ __all__ = ["is_loopback", "is_wildcard", "loopback_env", "loopback_tcp_store", "
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
+def bracket_host(host: str) -> str:
+    """``host`` as it goes before ``:port`` in an address: an IPv6 literal in brackets
+    (given with or without them), anything else as it is."""
+    bare = host.strip("[]")
+    return f"[{bare}]" if ":" in bare else host
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine's loopback (``localhost``, 127.0.0.0/8, ``::1``)."""
     name = host.strip().strip("[]").lower()

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._rendezvous import bound_tcp_store
+from .._rendezvous import bound_tcp_store, bracket_host
 from ..comm import Comm
 from ..errors import PeerTimeoutError, StratagemError
 
@@ -147,7 +147,7 @@ def loopback_manager_server(host: str) -> Iterator[None]:
     original = tm.ManagerServer
 
     def bound(**kwargs: Any) -> Any:
-        kwargs["bind"] = f"{_bracket(host)}:0"
+        kwargs["bind"] = f"{bracket_host(host)}:0"
         return original(**kwargs)
 
     tm.ManagerServer = bound  # type: ignore[misc, assignment]
@@ -155,10 +155,6 @@ def loopback_manager_server(host: str) -> Iterator[None]:
         yield
     finally:
         tm.ManagerServer = original  # type: ignore[misc]
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def loopback_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
@@ -180,7 +176,7 @@ def loopback_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
                 self._rendezvous_store = bound_tcp_store(
                     host, 0, timeout=timedelta(seconds=max(timeout.total_seconds(), 30.0)))
             handle = json.loads(super().get_reconfigure_handle())
-            handle["store"] = f"{_bracket(host)}:{self._rendezvous_store.port}"
+            handle["store"] = f"{bracket_host(host)}:{self._rendezvous_store.port}"
             return json.dumps(handle)
 
     return _BoundGloo(timeout=timeout)

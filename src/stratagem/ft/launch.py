@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._rendezvous import is_loopback
+from .._rendezvous import bracket_host, is_loopback
 from .env import (
     GROUP_RANK_ENV,
     GROUP_SIZE_ENV,
@@ -71,9 +71,8 @@ class QuorumService:
         self.host = host
         self.num_slots = num_slots
         self.min_replicas = min_replicas
-        bind = f"[{host}]" if ":" in host else host
         self._server = LighthouseServer(
-            bind=f"{bind}:{port}", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+            bind=f"{bracket_host(host)}:{port}", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
             heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, quorum_tick_ms=50)
         # torchft's address() names this machine's host name, which need not resolve to the
         # address the server is bound to (another node cannot resolve it at all): advertise
@@ -118,7 +117,7 @@ class QuorumService:
 
 def lighthouse_address(host: str, port: int) -> str:
     """The quorum service's URL at ``host:port`` (IPv6 in brackets)."""
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"http://{bracket_host(host)}:{port}"
 
 
 def worker_env(*, slot: int, num_slots: int, lighthouse: str, min_replicas: int,

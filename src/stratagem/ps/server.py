@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from stratagem._rendezvous import bracket_host
 from stratagem.ps import auth as ps_auth
 from stratagem.ps import optim as ps_optim
 from stratagem.ps import rules, wire
@@ -301,7 +302,7 @@ class ShardServer:
 
     @property
     def address(self) -> str:
-        return f"{_bracketed(self.host)}:{self.port}"
+        return f"{bracket_host(self.host)}:{self.port}"
 
     def describe(self) -> str:
         """One line: address, authentication, TLS and limits (logged at start-up)."""
@@ -373,7 +374,7 @@ class ShardServer:
         service, method = wire.METHOD.strip("/").split("/")
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, {method: handler}),))
-        target = f"{_bracketed(self.host)}:{self.port}"
+        target = f"{bracket_host(self.host)}:{self.port}"
         try:
             if self._tls is not None:
                 port = server.add_secure_port(target, grpc.ssl_server_credentials([self._tls]))
@@ -1191,11 +1192,6 @@ def _header_bytes(request: bytes | bytearray) -> int:
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _bracketed(host: str) -> str:
-    h = host.strip("[]")
-    return f"[{h}]" if ":" in h else host
 
 
 def start_local_shards(num_shards: int, **kwargs: Any) -> tuple[list[ShardServer], list[str]]:
