@@ -164,14 +164,26 @@ def test_a_joining_replica_with_another_model_is_refused_by_name():
                      deadline=90)
 
 
-def test_a_quorum_below_min_replicas_fails_after_timeout_naming_the_missing_replica():
+def test_a_quorum_below_min_replicas_fails_after_quorum_timeout_naming_the_missing_replica():
     from stratagem.ft.comm import QuorumError
 
     faults = ReplicaFaults().fail_at(1, 3, restart=False)
-    with pytest.raises(QuorumError, match=r"min_replicas=2.*slots not running: \[1\]") as info:
+    start = time.monotonic()
+    with pytest.raises(QuorumError, match=r"min_replicas=2.*quorum_timeout=5s.*slots not "
+                                          r"running: \[1\]") as info:
         run_replicas(_train, 2, args=(STRATEGIES["mirrored"], 50, faults), faults=faults,
-                     min_replicas=2, timeout=4.0, deadline=90)
+                     min_replicas=2, timeout=4.0, quorum_timeout=5.0, deadline=90)
     assert info.value.missing == (1,)
+    assert time.monotonic() - start < 60
+
+
+def test_quorum_timeout_defaults_to_at_least_30_s_and_is_checked():
+    from stratagem.ft.comm import QUORUM_TIMEOUT_FLOOR, FaultTolerantComm
+
+    assert QUORUM_TIMEOUT_FLOOR == 30.0
+    with pytest.raises(ValueError, match="quorum_timeout must be a positive number.*got 0"):
+        FaultTolerantComm(lighthouse="http://127.0.0.1:1", slot=0, num_slots=1, token=b"x" * 32,
+                          quorum_timeout=0)
 
 
 def test_a_failed_elastic_exchange_changes_nothing_and_the_centers_end_equal():

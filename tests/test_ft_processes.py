@@ -4,6 +4,7 @@ tested with replicas as threads in ``test_ft.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -98,18 +99,30 @@ def test_sigkilled_worker_is_restarted_alone_heals_and_the_job_finishes(tmp_path
     assert "heals=1" in stats, stats
 
 
+def _job_output(proc: subprocess.Popen[bytes]) -> str:
+    """The job's output so far (stopping it): what a failed wait shows."""
+    if proc.poll() is None:
+        proc.kill()
+    output, _ = proc.communicate(timeout=30)
+    return output.decode(errors="replace")[-6000:]
+
+
 def test_a_stalled_worker_is_evicted_the_others_go_on_and_it_heals_when_it_wakes(tmp_path):
     proc = _start(tmp_path, "--step-sleep", "0.03", "--timeout", "4", steps=120)
-    _wait_progress(tmp_path, [0, 1, 2], 8, deadline=150)
-    pid = _pids(tmp_path, 1)[-1]
-    os.kill(pid, signal.SIGSTOP)
     try:
-        stopped_at = _progress(tmp_path, 1)
-        # The strategy's timeout is 4 s: the others go on without the stalled worker.
-        _wait_progress(tmp_path, [0, 2], stopped_at + 8, deadline=60)
-        assert _progress(tmp_path, 1) == stopped_at
-    finally:
-        os.kill(pid, signal.SIGCONT)
+        _wait_progress(tmp_path, [0, 1, 2], 8, deadline=150)
+        pid = _pids(tmp_path, 1)[-1]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped_at = _progress(tmp_path, 1)
+            # The strategy's timeout is 4 s: the others go on without the stalled worker.
+            _wait_progress(tmp_path, [0, 2], stopped_at + 8, deadline=60)
+            assert _progress(tmp_path, 1) == stopped_at
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- the job's output ---\n{_job_output(proc)}") from e
     text = _finish(proc)
     # Woke up and caught up, not restarted (the job's output says why when it was).
     assert len(_pids(tmp_path, 1)) == 1, text[-4000:]

@@ -40,6 +40,13 @@ at once (gloo's abort does not close the connections), so they wait in it up to
 ``timeout`` before asking; a replica whose process dies closes its sockets and costs
 nothing more. Measured in ``docs/reliability.md`` ("Quorum elision").
 
+Two timeouts: ``timeout`` bounds a step's collectives and its commit vote (how long a stalled
+peer can hold the others up); ``quorum_timeout`` (default ``max(timeout, 30 s)``) bounds a
+quorum, the process group's reconfiguration and a heal, which are setup work that a loaded
+machine slows far more than a step, and the wait for ``min_replicas`` (a restarted worker
+needs seconds to start). With both equal to a short ``timeout``, a woken or restarted
+replica's heal failed on a loaded 2-core machine and the launcher restarted it again.
+
 ``rank`` and ``world_size`` are the replica's place in the current quorum (they change when
 replicas leave or join). ``slot`` / ``num_slots`` are the replica's fixed place in the job as
 launched (``stratagem run --nproc N --fault-tolerant``: slots ``0..N-1``; a restarted worker
@@ -70,13 +77,15 @@ from ..comm import Comm
 from ..errors import PeerTimeoutError, StratagemError
 
 __all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_manager_server",
-           "require_torchft", "QUORUM_EVERY"]
+           "require_torchft", "QUORUM_EVERY", "QUORUM_TIMEOUT_FLOOR"]
 
 #: The default of ``quorum_every``: 1, a quorum at every synchronising step (torchft's own
 #: schedule). ``STRATAGEM_FT_QUORUM_EVERY=32`` (or ``quorum_every=32``) turns quorum
 #: elision on: with every launched replica present, a quorum is asked for at every 32nd
 #: committed step and after any failed step only (see the module docstring for its cost).
 QUORUM_EVERY = 1
+#: The least default ``quorum_timeout`` (seconds): see "Two timeouts" in the module docstring.
+QUORUM_TIMEOUT_FLOOR = 30.0
 
 #: Serialises the construction of managers (the manager-server rebinding patches a module
 #: attribute; tests build several managers at once in threads).
@@ -207,7 +216,8 @@ class FaultTolerantComm(Comm):
                  transport: Any = None, max_heal_bytes: int = 64 << 30,
                  allow_remote: bool = False, joining: bool = False, group_rank: int = 0,
                  group_size: int = 1, group_store: dist.Store | None = None,
-                 group_comm: Comm | None = None, quorum_every: int | None = None) -> None:
+                 group_comm: Comm | None = None, quorum_every: int | None = None,
+                 quorum_timeout: float | None = None) -> None:
         require_torchft()
         from torchft import Manager
 
@@ -246,6 +256,16 @@ class FaultTolerantComm(Comm):
             raise ValueError(f"quorum_every must be >= 1, got {quorum_every}. Fix: 1 (the "
                              "default) asks for a quorum at every step; e.g. 32 elides them")
         self.quorum_every = quorum_every
+        if quorum_timeout is None:
+            quorum_timeout = max(timeout, QUORUM_TIMEOUT_FLOOR)
+        if isinstance(quorum_timeout, bool) or not isinstance(quorum_timeout, (int, float)) \
+                or not quorum_timeout > 0:
+            raise ValueError(f"quorum_timeout must be a positive number of seconds, got "
+                             f"{quorum_timeout!r}. Fix: omit it (max(timeout, "
+                             f"{QUORUM_TIMEOUT_FLOOR:g} s)) or pass e.g. 60.0")
+        #: Seconds a quorum, its process-group reconfiguration and a heal may take (the
+        #: step's collectives and commit vote keep ``timeout``).
+        self.quorum_timeout = float(quorum_timeout)
         self._elided = False
         self._must_ask = True
         self.last_heal_bytes = 0
@@ -268,7 +288,7 @@ class FaultTolerantComm(Comm):
         if transport is None:
             from .transport import SafeHealTransport
 
-            transport = SafeHealTransport(token=token, host=host, timeout=timeout,
+            transport = SafeHealTransport(token=token, host=host, timeout=self.quorum_timeout,
                                           max_bytes=max_heal_bytes, allow_remote=allow_remote)
         self.transport = transport
         # Only a group's first process builds a manager server (the others wait for its
@@ -279,8 +299,13 @@ class FaultTolerantComm(Comm):
             self.manager = Manager(
                 pg=self._pg, load_state_dict=self._load, state_dict=self._state,
                 min_replica_size=min_replicas, use_async_quorum=False,
-                timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=timeout),
-                connect_timeout=timedelta(seconds=max(timeout, 10.0)), rank=group_rank,
+                # torchft's own timeout bounds the reconfiguration and the heal: setup work,
+                # slower on a loaded machine than a step's collective; the commit vote is
+                # given ``timeout`` at each call.
+                timeout=timedelta(seconds=self.quorum_timeout),
+                quorum_timeout=timedelta(seconds=self.quorum_timeout),
+                connect_timeout=timedelta(seconds=max(self.quorum_timeout, 10.0)),
+                rank=group_rank,
                 world_size=group_size, store_addr=host, store_port=store_port,
                 lighthouse_addr=lighthouse, replica_id=f"slot{slot}", hostname=host,
                 heartbeat_interval=timedelta(milliseconds=100),
@@ -372,7 +397,7 @@ class FaultTolerantComm(Comm):
         received = getattr(self.transport, "bytes_received", 0)
         self._healed = False
         try:
-            self.manager.start_quorum(timeout=timedelta(seconds=self.timeout))
+            self.manager.start_quorum(timeout=timedelta(seconds=self.quorum_timeout))
         except StratagemError:
             raise  # the heal refused the peer's state (another model): said there
         except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError
@@ -446,7 +471,7 @@ class FaultTolerantComm(Comm):
             self._load_fn(decode(tensors, json.loads(first), what="the heal state"))
 
     def _await_launched_replicas(self) -> None:
-        """Before the job's first quorum, wait (at most ``timeout``) until every replica the
+        """Before the job's first quorum, wait (at most ``quorum_timeout``) until every replica the
         job was launched with has its manager up. Without it the first replica to finish
         importing torch forms a quorum alone and torchft's Lighthouse may keep it apart from
         the others (seen: one replica training alone beside a quorum of two)."""
@@ -455,7 +480,7 @@ class FaultTolerantComm(Comm):
             return
         with contextlib.suppress(Exception):
             store.add("ft/started", 1)
-            deadline = time.monotonic() + self.timeout
+            deadline = time.monotonic() + self.quorum_timeout
             while time.monotonic() < deadline:
                 if int(store.add("ft/started", 0)) >= self.num_slots:
                     # Let every manager's heartbeat reach the Lighthouse before asking.
@@ -570,8 +595,9 @@ class FaultTolerantComm(Comm):
         named = f"; slots not running: {missing}" if missing else ""
         return QuorumError(
             f"no quorum of at least min_replicas={self.min_replicas} replica(s) formed within "
-            f"timeout={self.timeout:g}s (this is slot {self.slot} of {self.num_slots}{named}). "
-            f"Fix: restart the missing workers, lower min_replicas, or raise timeout "
+            f"quorum_timeout={self.quorum_timeout:g}s (this is slot {self.slot} of "
+            f"{self.num_slots}{named}). Fix: restart the missing workers, lower min_replicas, "
+            f"or raise quorum_timeout "
             f"[{type(exc).__name__}: {exc}]", missing=tuple(missing))
 
     # ------------------------------------------------------------------ collectives

@@ -88,7 +88,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                  faults: ReplicaFaults | None = None, min_replicas: int = 1,
                  timeout: float = 10.0, deadline: float = 120.0,
                  absent: Sequence[int] = (), group_size: int = 1,
-                 quorum_every: int | None = None) -> list[Any]:
+                 quorum_every: int | None = None,
+                 quorum_timeout: float | None = None) -> list[Any]:
     """Run ``fn(comm, *args)`` for ``n`` fault-tolerant replicas as threads (see the module
     docstring); a replica killed by ``faults`` is replaced by a new one in its slot (its
     result is the replacement's). The slots in ``absent`` are never started (as if they
@@ -99,7 +100,7 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
     the nodes of ``Hierarchical`` under ``sg.launch(..., nnodes=K, fault_tolerant=True)``;
     results are per process, ``n * G`` of them, in slot order (group by group).
     ``quorum_every``: :class:`~stratagem.ft.comm.FaultTolerantComm`'s (1: a quorum at every
-    step; None: its default)."""
+    step; None: its default); ``quorum_timeout`` likewise (None: ``max(timeout, 30)``)."""
     service = QuorumService(num_slots=n, min_replicas=min_replicas)
     job_store = loopback_tcp_store("127.0.0.1", 0, timeout=timedelta(seconds=30))
     if absent:  # counted as started: the live ones' first quorum does not wait for them
@@ -122,7 +123,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 min_replicas=min_replicas, timeout=timeout, job_store=store,
                 joining=life > 0, group_rank=rank, group_size=group_size,
                 group_store=PrefixStore(f"ftgroup/{slot}/{life}", store)
-                if group_size > 1 else None, quorum_every=quorum_every)
+                if group_size > 1 else None, quorum_every=quorum_every,
+                quorum_timeout=quorum_timeout)
             results[slot * group_size + rank] = fn(comm, *args)
         except ReplicaDied:
             if comm is not None:
