@@ -4,13 +4,16 @@ and what a SIGKILLed worker costs with them.
 Runs ``tests/ft_scripts/train_ft.py`` (an MLP on 3000 synthetic 10-class digits) on N workers:
 
 - ``plain``: ``stratagem run --nproc N`` (torchrun, Mirrored on DDP);
-- ``ft``: ``stratagem run --nproc N --fault-tolerant`` (the same Mirrored on torchft);
-- ``ft-elided``: the same with ``STRATAGEM_FT_QUORUM_EVERY=32`` (quorum elision: no quorum
-  and commit calls while every replica is present; ``ft`` asks at every step, torchft's
-  schedule);
+- ``ft``: ``stratagem run --nproc N --fault-tolerant`` (the same Mirrored on torchft, with
+  its defaults: quorum elision, ``quorum_every=32``: no quorum and commit calls while every
+  replica is present);
+- ``ft-every-step``: the same with ``STRATAGEM_FT_QUORUM_EVERY=1`` (a quorum and a commit
+  vote at every step, torchft's own schedule);
+- ``ft-elided``: ``STRATAGEM_FT_QUORUM_EVERY=32`` set explicitly (the default since the
+  fourth session of 2026-11-26);
 - ``ft+kill``: ``ft``, with worker 1 SIGKILLed once training is under way.
 
-``--rounds R`` runs the fault-free modes R times, in turn (plain, ft, ft-elided, plain,
+``--rounds R`` runs the fault-free modes R times, in turn (plain, ft-every-step, ft, plain,
 ...), and reports each mode's median and the per-round ratios to the plain run of the round.
 
 Reports the median step time (from each worker's per-step timestamps, after warm-up), the
@@ -21,7 +24,7 @@ step, and the final accuracy. Results: ``benchmarks/results/fault_tolerance.{jso
 Not measured here (see docs/status.md): torchft written by hand, restart-all + resume.
 
     python benchmarks/fault_tolerance.py [--nproc 4] [--steps 300] [--width 256] [--rounds 1]
-        [--modes plain,ft,ft-elided,ft+kill]
+        [--modes plain,ft-every-step,ft,ft+kill]
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def run(mode: str, nproc: int, steps: int, width: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     if mode == "ft-elided":
         env["STRATAGEM_FT_QUORUM_EVERY"] = "32"
+    elif mode == "ft-every-step":
+        env["STRATAGEM_FT_QUORUM_EVERY"] = "1"
 
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -103,7 +108,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--modes", default="plain,ft,ft-elided,ft+kill")
+    p.add_argument("--modes", default="plain,ft-every-step,ft,ft+kill")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     modes = args.modes.split(",")

@@ -121,18 +121,23 @@ def test_without_faults_replicas_stay_bitwise_equal_and_nothing_fails():
     assert all(r[3] == 0 for r in results)
 
 
-@pytest.mark.parametrize("quorum_every", [None, 32], ids=["quorum_every_step", "elided"])
+@pytest.mark.parametrize("quorum_every", [1, 32], ids=["quorum_every_step", "elided"])
 def test_a_failed_collective_is_applied_nowhere_that_saw_it_and_the_replica_catches_up(
         quorum_every):
     # Replica 1's all-reduce of step 5 is recorded as failed (it stays alive): it does not
     # apply that step while its peers do, so it is one step behind; the next quorum heals it.
     faults = ReplicaFaults().fail_collective(1, 5)
+    t0 = time.perf_counter()
     results = run_replicas(_train, 3, args=(STRATEGIES["mirrored"], 10, faults), faults=faults,
-                           quorum_every=quorum_every)
+                           quorum_every=quorum_every, timeout=20.0)
+    # Elided: replica 1 drops its every reference to the quorum's group, so its sockets
+    # close and its peers' next collective fails at once (before the fourth session of
+    # 2026-11-26 the failed Work in the error's traceback kept them open: 20 s lost).
+    assert time.perf_counter() - t0 < 15.0
     _assert_equal(results)
     assert results[1][3] == 1  # one failed step, then one heal more than its peers
     assert results[1][2] == max(results[0][2], results[2][2]) + 1
-    if quorum_every is None:
+    if quorum_every == 1:
         assert results[0][3] == 0 and results[2][3] == 0
     else:
         # Its peers' next step ran on the quorum they had, without replica 1 (which asked for

@@ -6,7 +6,6 @@ output head, AdamW with decay / no-decay groups, the learning rate written into
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import pytest

@@ -24,7 +24,8 @@ A *transaction* spans the collectives of one synchronising step:
   saw the failure; a replica that did commit while another did not is ahead by one step, and
   the next quorum heals the other from it, so replicas never stay apart.
 
-*Quorum elision* (opt-in: ``quorum_every > 1``, ``STRATAGEM_FT_QUORUM_EVERY``). While every
+*Quorum elision* (the default: ``quorum_every=32``; ``STRATAGEM_FT_QUORUM_EVERY=1`` or
+``quorum_every=1`` turns it off). While every
 launched replica is in the quorum and the last step committed, a transaction skips
 torchft's two per-step calls (the quorum with the Lighthouse and the commit vote with the
 manager server, ~5-10 ms on loopback) and runs on the quorum it has; every
@@ -34,11 +35,11 @@ member, so when one dies or fails its step (a failing replica closes its connect
 group, :meth:`_drop_group`), every other replica's next collective fails, its step does not
 commit, and it asks for a quorum, which heals whoever is behind. While a replica is missing,
 every transaction asks (a replacement joins at the next step). One process per replica only:
-a replica group's processes keep torchft's per-step vote. Why it is not the default: a
-replica that fails a step while staying alive cannot make its peers' next collective fail
-at once (gloo's abort does not close the connections), so they wait in it up to
-``timeout`` before asking; a replica whose process dies closes its sockets and costs
-nothing more. Measured in ``docs/reliability.md`` ("Quorum elision").
+a replica group's processes keep torchft's per-step vote. A replica that fails a step
+while staying alive makes its peers' next collective fail at once by dropping every
+reference to the group (gloo closes a group's sockets only with its last reference; its
+``abort`` does not), so nobody waits out ``timeout``; a replica whose process dies closes
+its sockets anyway. Measured in ``docs/reliability.md`` ("Quorum elision").
 
 Two timeouts: ``timeout`` bounds a step's collectives and its commit vote (how long a stalled
 peer can hold the others up); ``quorum_timeout`` (default ``max(timeout, 30 s)``) bounds a
@@ -62,9 +63,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -79,11 +82,11 @@ from ..errors import PeerTimeoutError, StratagemError
 __all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_manager_server",
            "require_torchft", "QUORUM_EVERY", "QUORUM_TIMEOUT_FLOOR"]
 
-#: The default of ``quorum_every``: 1, a quorum at every synchronising step (torchft's own
-#: schedule). ``STRATAGEM_FT_QUORUM_EVERY=32`` (or ``quorum_every=32``) turns quorum
-#: elision on: with every launched replica present, a quorum is asked for at every 32nd
-#: committed step and after any failed step only (see the module docstring for its cost).
-QUORUM_EVERY = 1
+#: The default of ``quorum_every``: 32 (quorum elision): with every launched replica
+#: present, a quorum is asked for at every 32nd committed step and after any failed step
+#: only. ``STRATAGEM_FT_QUORUM_EVERY=1`` (or ``quorum_every=1``) asks at every synchronising
+#: step, torchft's own schedule (5-10 ms more per step on loopback).
+QUORUM_EVERY = 32
 #: The least default ``quorum_timeout`` (seconds): see "Two timeouts" in the module docstring.
 QUORUM_TIMEOUT_FLOOR = 30.0
 
@@ -253,8 +256,9 @@ class FaultTolerantComm(Comm):
         if quorum_every is None:
             quorum_every = int(os.environ.get("STRATAGEM_FT_QUORUM_EVERY", QUORUM_EVERY))
         if quorum_every < 1:
-            raise ValueError(f"quorum_every must be >= 1, got {quorum_every}. Fix: 1 (the "
-                             "default) asks for a quorum at every step; e.g. 32 elides them")
+            raise ValueError(f"quorum_every must be >= 1, got {quorum_every}. Fix: 1 asks "
+                             "for a quorum at every step; 32 (the default) elides them while "
+                             "every replica is present")
         self.quorum_every = quorum_every
         if quorum_timeout is None:
             quorum_timeout = max(timeout, QUORUM_TIMEOUT_FLOOR)
@@ -539,9 +543,24 @@ class FaultTolerantComm(Comm):
         whole timeout while the others ask for the next quorum without it. Nothing is lost:
         a replica that reported an error makes the Lighthouse bump the quorum id, and the
         next quorum rebuilds every member's group. Done here, on the training thread, after
-        every collective of the step has completed (no worker thread of the group is busy)."""
+        every collective of the step has completed (no worker thread of the group is busy).
+
+        gloo closes a group's sockets only when its last reference goes (its ``abort`` and
+        ``shutdown`` leave them open), and the step's error holds one: its traceback's frames
+        keep the failed ``Work`` alive, and the ``Work`` keeps the group's gloo context. So the
+        error's frames are cleared (its message stays) before the group is dropped, and a
+        collection frees what cycles still hold it."""
+        self._clear_error_frames()
         with contextlib.suppress(Exception):
             self._pg.abort(errored=False)
+        gc.collect()
+
+    def _clear_error_frames(self) -> None:
+        errored = self.manager.errored()
+        for exc in (self._error, errored, getattr(errored, "original_exception", None)):
+            tb = getattr(exc, "__traceback__", None)
+            if tb is not None:
+                traceback.clear_frames(tb)
 
     @property
     def in_transaction(self) -> bool:
@@ -749,9 +768,11 @@ class FaultTolerantComm(Comm):
             self.manager.shutdown(wait=False)
         with contextlib.suppress(Exception):
             self.transport.shutdown(wait=False)
+        self._clear_error_frames()
         with contextlib.suppress(Exception):
             self._pg.abort(errored=False)
         self.close()
+        gc.collect()  # the group's last references: its sockets close (see _drop_group)
 
     def close(self) -> None:
         if self._closed:
