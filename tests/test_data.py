@@ -136,6 +136,11 @@ def test_a_heal_during_an_iteration_moves_it_to_the_peers_position(dataset):
     assert list(loader) == []  # an epoch the peers have finished
     loader.set_epoch(2)
     assert [ids(b) for b in loader] == later[1:]
+    # Healed at the job's last step: the epoch loop's set_epoch(0) runs, the loop ends before
+    # any batch, and the position saved or compared is still the peer's.
+    loader.fast_forward({"epoch": 1, "step_in_epoch": 3})
+    loader.set_epoch(0)
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["step_in_epoch"] == 3
 
 
 @pytest.mark.parametrize("dataset", ["tensors", "map-style"])

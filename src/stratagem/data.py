@@ -122,7 +122,14 @@ class DistributedLoader:
         self.epoch = int(epoch)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed}
+        """The position: the next batch is step ``step_in_epoch`` of ``epoch``. After a heal
+        (:meth:`fast_forward`) not yet reached by an iteration, the live peer's position (where
+        the next batch comes from): a replica healed at the job's last step never iterates
+        again, and the ``set_epoch(0)`` of its epoch loop must not make it report the start."""
+        epoch, step = self.epoch, self.step_in_epoch
+        if self._resume_at is not None and epoch <= self._resume_at[0]:
+            epoch, step = self._resume_at
+        return {"epoch": epoch, "step_in_epoch": step, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume: the next iteration starts at ``step_in_epoch`` of ``epoch``."""
