@@ -8,9 +8,8 @@ Runs ``tests/ft_scripts/train_ft.py`` (an MLP on 3000 synthetic 10-class digits)
   its defaults: quorum elision, ``quorum_every=32``: no quorum and commit calls while every
   replica is present);
 - ``ft-every-step``: the same with ``STRATAGEM_FT_QUORUM_EVERY=1`` (a quorum and a commit
-  vote at every step, torchft's own schedule);
-- ``ft-elided``: ``STRATAGEM_FT_QUORUM_EVERY=32`` set explicitly (the default since the
-  fourth session of 2026-11-26);
+  vote at every step, torchft's own schedule; ``fault_tolerance_s6.md``'s ``ft-elided`` is
+  today's ``ft``);
 - ``ft+kill``: ``ft``, with worker 1 SIGKILLed once training is under way.
 
 ``--rounds R`` runs the fault-free modes R times, in turn (plain, ft-every-step, ft, plain,
@@ -52,9 +51,7 @@ def run(mode: str, nproc: int, steps: int, width: int) -> dict:
     cmd += [str(SCRIPT), "--out", str(out), "--steps", str(steps), "--width", str(width),
             "--timeout", "30"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    if mode == "ft-elided":
-        env["STRATAGEM_FT_QUORUM_EVERY"] = "32"
-    elif mode == "ft-every-step":
+    if mode == "ft-every-step":
         env["STRATAGEM_FT_QUORUM_EVERY"] = "1"
 
     t0 = time.time()

@@ -6,6 +6,7 @@ output head, AdamW with decay / no-decay groups, the learning rate written into
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -174,9 +175,7 @@ def test_nanogpt_style_loop_runs_under_every_strategy(name, precision, tmp_path)
 
 
 def _compiled_job() -> list[dict[str, object]]:
-    import warnings as w
-
-    w.simplefilter("ignore")  # dynamo's own warnings on CPU
+    warnings.simplefilter("ignore")  # dynamo's own warnings on CPU (a worker process)
     out = []
     for precision in ("fp16", "bf16"):
         s = sg.Mirrored(precision=precision, global_accumulation_steps=4, timeout=60)

@@ -78,6 +78,7 @@ import torch.distributed as dist
 from .._rendezvous import bound_tcp_store, bracket_host
 from ..comm import Comm
 from ..errors import PeerTimeoutError, StratagemError
+from ..validation import check_timeout
 
 __all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_manager_server",
            "require_torchft", "QUORUM_EVERY", "QUORUM_TIMEOUT_FLOOR"]
@@ -260,16 +261,12 @@ class FaultTolerantComm(Comm):
                              "for a quorum at every step; 32 (the default) elides them while "
                              "every replica is present")
         self.quorum_every = quorum_every
-        if quorum_timeout is None:
-            quorum_timeout = max(timeout, QUORUM_TIMEOUT_FLOOR)
-        if isinstance(quorum_timeout, bool) or not isinstance(quorum_timeout, (int, float)) \
-                or not quorum_timeout > 0:
-            raise ValueError(f"quorum_timeout must be a positive number of seconds, got "
-                             f"{quorum_timeout!r}. Fix: omit it (max(timeout, "
-                             f"{QUORUM_TIMEOUT_FLOOR:g} s)) or pass e.g. 60.0")
         #: Seconds a quorum, its process-group reconfiguration and a heal may take (the
         #: step's collectives and commit vote keep ``timeout``).
-        self.quorum_timeout = float(quorum_timeout)
+        self.quorum_timeout = (max(timeout, QUORUM_TIMEOUT_FLOOR) if quorum_timeout is None else
+                               check_timeout("quorum_timeout", quorum_timeout,
+                                             fix=f"omit it (max(timeout, "
+                                                 f"{QUORUM_TIMEOUT_FLOOR:g} s)) or pass e.g. 60.0"))
         self._elided = False
         self._must_ask = True
         self.last_heal_bytes = 0
@@ -550,17 +547,19 @@ class FaultTolerantComm(Comm):
         keep the failed ``Work`` alive, and the ``Work`` keeps the group's gloo context. So the
         error's frames are cleared (its message stays) before the group is dropped, and a
         collection frees what cycles still hold it."""
-        self._clear_error_frames()
-        with contextlib.suppress(Exception):
-            self._pg.abort(errored=False)
+        self._release_group()
         gc.collect()
 
-    def _clear_error_frames(self) -> None:
+    def _release_group(self) -> None:
+        """Drop this replica's references to the quorum's gloo group: the error's frames
+        (its message stays), then torchft's own (see :meth:`_drop_group`)."""
         errored = self.manager.errored()
         for exc in (self._error, errored, getattr(errored, "original_exception", None)):
             tb = getattr(exc, "__traceback__", None)
             if tb is not None:
                 traceback.clear_frames(tb)
+        with contextlib.suppress(Exception):
+            self._pg.abort(errored=False)
 
     @property
     def in_transaction(self) -> bool:
@@ -768,9 +767,7 @@ class FaultTolerantComm(Comm):
             self.manager.shutdown(wait=False)
         with contextlib.suppress(Exception):
             self.transport.shutdown(wait=False)
-        self._clear_error_frames()
-        with contextlib.suppress(Exception):
-            self._pg.abort(errored=False)
+        self._release_group()
         self.close()
         gc.collect()  # the group's last references: its sockets close (see _drop_group)
 
