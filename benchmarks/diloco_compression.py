@@ -188,6 +188,14 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def _streaming_delay(meta: dict[str, Any]) -> int:
+    """The streaming rows' sync_delay in this run (lowered below period // fragments)."""
+    for args in meta.get("strategies", {}).values():
+        if "sync_delay" in args:
+            return int(args["sync_delay"])
+    return 2
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     target = meta["target"]
     lines = [
@@ -196,10 +204,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"Model, data and inner training of `benchmarks/lm.py` (GPT {meta['model']}, "
         f"{meta['num_parameters']:,} parameters, AdamW lr {lm.LR}, global batch "
-        f"{lm.GLOBAL_BATCH}). DiLoCo: period 32, outer Nesterov lr 1.0, momentum 0.3. "
+        f"{lm.GLOBAL_BATCH}). DiLoCo: period {meta.get('period', 32)}, outer Nesterov lr 1.0, "
+        "momentum 0.3. "
         "int8/int4: blockwise absmax quantization, one fp32 scale per 128 values, quantized "
         "reduce-scatter (all-to-all) + fp32 sum + re-quantized all-gather, error feedback. "
-        "streaming-int4: fragments 4, sync_delay 2, alpha 0.5, int4 (-a0: alpha 0; -sync: sync_delay 0). "
+        f"streaming-int4: fragments 4, sync_delay {_streaming_delay(meta)}, alpha 0.5, int4 "
+        "(-a0: alpha 0; -sync: sync_delay 0). "
         "diloco-topk: top-k 2 % per 4096-value chunk, 2-bit values + uint16 indices + one fp32 "
         "scale per chunk, all-gather of the payloads, error feedback (SparseLoCo). "
         "Evaluation of the "
@@ -268,6 +278,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-wall", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--run-timeout", type=float, default=400.0)
+    p.add_argument("--period", type=int, default=32,
+                   help="inner steps between outer syncs of every DiLoCo row (default 32, "
+                        "lm.py's tuning; smaller periods make the job communication-bound "
+                        "on this machine's slow CPUs, as larger models are on GPUs)")
     p.add_argument("--out", default=str(RESULTS / "diloco_compression"))
     p.add_argument("--from-json", metavar="PATH")
     args = p.parse_args(argv)
@@ -290,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
     from stratagem.testing.netns import Topology
 
+    if args.period != 32:
+        for _, row_args, _, _ in STRATEGIES.values():
+            if "period" in row_args:
+                row_args["period"] = args.period
+                gap = args.period // int(row_args.get("fragments", 1))
+                if row_args.get("sync_delay", 0) >= gap:  # must stay < period // fragments
+                    row_args["sync_delay"] = max(0, gap - 1)
     lm.STRATEGIES.clear()
     lm.STRATEGIES.update(STRATEGIES)  # lm.run_once reads its table
     strategies = choose(args.strategies, STRATEGIES, "rows")
@@ -304,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/diloco_compression.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "workers": args.workers, "target": args.target, "eval_every": args.eval_every,
-        "max_steps": args.max_steps, "max_wall": args.max_wall,
+        "max_steps": args.max_steps, "max_wall": args.max_wall, "period": args.period,
         "seeds_per_link": args.seeds, "links": links,
         "strategies": {k: STRATEGIES[k][1] for k in strategies}, "cpus": os.cpu_count(),
         "loadavg_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
