@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
@@ -1180,7 +1180,7 @@ class ShardServer:
 
 
 if sys.version_info >= (3, 11):
-    async def _within(awaitable: Coroutine[Any, Any, T] | Any, timeout: float) -> Any:
+    async def _within(awaitable: Awaitable[T], timeout: float) -> T:
         """``await awaitable`` for at most ``timeout`` seconds (``asyncio.TimeoutError``
         after): :func:`asyncio.timeout`, which runs it in the calling task, where
         :func:`asyncio.wait_for` (Python < 3.12) wraps it in a task of its own, a few event-loop
@@ -1188,7 +1188,7 @@ if sys.version_info >= (3, 11):
         async with asyncio.timeout(timeout):
             return await awaitable
 else:  # pragma: no cover - Python 3.10
-    async def _within(awaitable: Coroutine[Any, Any, T] | Any, timeout: float) -> Any:
+    async def _within(awaitable: Awaitable[T], timeout: float) -> T:
         return await asyncio.wait_for(awaitable, timeout)
 
 
