@@ -275,6 +275,45 @@ def test_a_body_that_never_comes_is_cut_by_the_body_timeout() -> None:
             g.close()
 
 
+def test_a_chunked_body_that_stops_is_cut_and_gives_back_its_admission() -> None:
+    # A chunked request is admitted by its declared size at once (no wait), then its first
+    # chunk arrives and the rest never does: the body timeout cuts it, and its admission is
+    # given back, so a chunked request after it is admitted and served.
+    with ShardServer(token=TOKEN, body_timeout=1.0, max_inflight_bytes=8 * MiB) as server:
+        release = threading.Event()
+        declared = 2 * wire.REQUEST_CHUNK_BYTES
+
+        def first_chunk_then_nothing() -> Iterator[bytes]:
+            yield _header_message({"op": "pull", "fields": {}, "tensors": []}).ljust(
+                wire.REQUEST_CHUNK_BYTES, b"\0")
+            release.wait(60)
+
+        channel = grpc.insecure_channel(server.address,
+                                        options=[("grpc.use_local_subchannel_pool", 1)])
+        try:
+            stub = channel.stream_unary(wire.METHOD)
+            md = (*MD, (wire.SIZE_METADATA_KEY, str(declared)))
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                stub(first_chunk_then_nothing(), timeout=20, metadata=md)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "body_timeout" in (info.value.details() or "")
+            assert time.monotonic() - t0 < 1.0 + 5.0
+        finally:
+            release.set()
+            channel.close()
+        assert server._receiving_bytes == 0 and server._inflight_bytes == 0
+        client = PSClient([server.address], token=TOKEN, timeout=10)
+        try:
+            table = ShardedParameters(client, {"w": torch.zeros(3 * MiB // 4)},
+                                      optimizer_spec={"name": "sgd", "lr": 1.0})
+            table.register()  # 3 MiB: chunked, admitted after the cut one
+            out = table.push({"w": torch.ones(3 * MiB // 4)})
+            assert out["w"].applied
+        finally:
+            client.close()
+
+
 def test_unauthenticated_huge_bodies_are_not_buffered(proc_shard) -> None:
     grew = proc_shard.growth_refusing(bytes(128 * MiB), grpc.StatusCode.UNAUTHENTICATED,
                                       "token", good="unauth", times=4, token=None)

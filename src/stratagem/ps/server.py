@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
@@ -462,7 +462,10 @@ class ShardServer:
                               f"max_message_bytes={self.limits.max_message_bytes}. Fix: use "
                               "more shards or a partitioner to split big tensors")
             try:
-                await asyncio.wait_for(self._admit_big(declared), timeout=self.body_timeout)
+                if self._must_wait(declared):
+                    await _within(self._admit_big(declared), self.body_timeout)
+                else:  # the usual case: admitted at once, no timer and no task
+                    self._receiving_bytes += declared
             except asyncio.TimeoutError:
                 return _Abort("DEADLINE_EXCEEDED", f"request not admitted within body_timeout="
                               f"{self.body_timeout:g} s (bigger requests held the shard)")
@@ -471,7 +474,7 @@ class ShardServer:
             finally:
                 self._release_big(declared)
         try:  # one message, which gRPC caps at wire.REQUEST_CHUNK_BYTES
-            request = await asyncio.wait_for(context.read(), timeout=self.body_timeout)
+            request = await _within(context.read(), self.body_timeout)
         except asyncio.TimeoutError:
             return _Abort("DEADLINE_EXCEEDED", f"request body not received within "
                           f"body_timeout={self.body_timeout:g} s")
@@ -512,10 +515,14 @@ class ShardServer:
         another: the peak is what registering keeps (the quota) plus about one request,
         where before the fix gRPC held all eight bodies at once in three copies each."""
         assert self._received is not None
-        while (self._receiving_bytes
-               and self._receiving_bytes + declared > self.max_receiving_bytes):
+        while self._must_wait(declared):
             await self._received.wait()
         self._receiving_bytes += declared
+
+    def _must_wait(self, declared: int) -> bool:
+        """Whether a chunked request of ``declared`` bytes must wait to be admitted."""
+        return bool(self._receiving_bytes
+                    and self._receiving_bytes + declared > self.max_receiving_bytes)
 
     def _release_big(self, declared: int) -> None:
         self._receiving_bytes -= declared
@@ -531,8 +538,7 @@ class ShardServer:
         self._inflight_bytes += declared
         try:
             try:
-                body = await asyncio.wait_for(self._receive(context, declared),
-                                              timeout=self.body_timeout)
+                body = await _within(self._receive(context, declared), self.body_timeout)
             except asyncio.TimeoutError:
                 return _Abort("DEADLINE_EXCEEDED", f"request body not received within "
                               f"body_timeout={self.body_timeout:g} s")
@@ -1171,6 +1177,19 @@ class ShardServer:
         # Stop from another thread: stopping inside a handler would wait on this very call.
         threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
         return wire.encode("ok", {"stopping": True})
+
+
+if sys.version_info >= (3, 11):
+    async def _within(awaitable: Awaitable[T], timeout: float) -> T:
+        """``await awaitable`` for at most ``timeout`` seconds (``asyncio.TimeoutError``
+        after): :func:`asyncio.timeout`, which runs it in the calling task, where
+        :func:`asyncio.wait_for` (Python < 3.12) wraps it in a task of its own, a few event-loop
+        turns per call on the path of every request."""
+        async with asyncio.timeout(timeout):
+            return await awaitable
+else:  # pragma: no cover - Python 3.10
+    async def _within(awaitable: Awaitable[T], timeout: float) -> T:
+        return await asyncio.wait_for(awaitable, timeout)
 
 
 def _declared_bytes(metadata: Any) -> int | None | _Abort:
