@@ -48,6 +48,19 @@ machine slows far more than a step, and the wait for ``min_replicas`` (a restart
 needs seconds to start). With both equal to a short ``timeout``, a woken or restarted
 replica's heal failed on a loaded 2-core machine and the launcher restarted it again.
 
+*A replacement takes its predecessor's place.* The Lighthouse drops a dead replica only when
+its heartbeat ages out (1 s here) or the join timeout passes: torchft's survivors wait that
+long after every loss. But the launcher restarts a dead worker at once (a warm spare, the
+launcher's notice of the death), so the replacement is usually ready to ask for a quorum
+before then. Its manager server heartbeats and asks under its predecessor's exact replica
+id (kept in the job's store; torchft would append a fresh uuid), so to the Lighthouse the
+slot is live again and has joined: the survivors' quorum forms as soon as it asks, with the
+replacement healing in it. The exception: a predecessor that died while a quorum request of
+its was outstanding (marked in the job's store around every request) may have left that
+request in the Lighthouse, which a quorum could pick up under a live id and then wait for a
+dead member; its replacement takes a fresh id, and the survivors wait for the old heartbeat as
+torchft does. Only for replicas of one process with the launcher's store (``comm_from_env``).
+
 ``rank`` and ``world_size`` are the replica's place in the current quorum (they change when
 replicas leave or join). ``slot`` / ``num_slots`` are the replica's fixed place in the job as
 launched (``stratagem run --nproc N --fault-tolerant``: slots ``0..N-1``; a restarted worker
@@ -68,6 +81,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -153,14 +167,18 @@ def _quiet_flight_recorder() -> None:
 
 
 @contextlib.contextmanager
-def loopback_manager_server(host: str) -> Iterator[None]:
-    """Build torchft's manager server on ``host`` instead of every interface (``[::]``)."""
+def loopback_manager_server(host: str, replica_id: str | None = None) -> Iterator[None]:
+    """Build torchft's manager server on ``host`` instead of every interface (``[::]``);
+    with ``replica_id``, under that exact id (torchft appends a fresh uuid to the one it is
+    given: see "A replacement takes its predecessor's place" in the module docstring)."""
     import torchft.manager as tm
 
     original = tm.ManagerServer
 
     def bound(**kwargs: Any) -> Any:
         kwargs["bind"] = f"{bracket_host(host)}:0"
+        if replica_id is not None:
+            kwargs["replica_id"] = replica_id
         return original(**kwargs)
 
     tm.ManagerServer = bound  # type: ignore[misc, assignment]
@@ -213,6 +231,9 @@ class FaultTolerantComm(Comm):
 
     fault_tolerant = True
     elastic = True
+    #: Set by :func:`~stratagem.ft.launch.comm_from_env` when it froze the worker's objects
+    #: out of the cyclic garbage collector; :meth:`close` gives them back.
+    unfreeze_gc_on_close = False
 
     def __init__(self, *, lighthouse: str, slot: int, num_slots: int, token: bytes,
                  min_replicas: int = 1, timeout: float = 60.0, host: str = "127.0.0.1",
@@ -295,8 +316,13 @@ class FaultTolerantComm(Comm):
         # Only a group's first process builds a manager server (the others wait for its
         # address in the group's store: they must not hold the lock meanwhile).
         server = group_rank == 0
+        self._id_key = f"ft/id/{slot}"
+        self._asking_key = f"ft/asking/{slot}"
+        self._keeps_id = server and group_size == 1 and job_store is not None
+        replica_id = self._replica_id(slot, joining) if self._keeps_id else None
         with (_MANAGER_LOCK if server else contextlib.nullcontext()), \
-                (loopback_manager_server(host) if server else contextlib.nullcontext()):
+                (loopback_manager_server(host, replica_id) if server
+                 else contextlib.nullcontext()):
             self.manager = Manager(
                 pg=self._pg, load_state_dict=self._load, state_dict=self._state,
                 min_replica_size=min_replicas, use_async_quorum=False,
@@ -378,6 +404,31 @@ class FaultTolerantComm(Comm):
         self.heals += 1
         self._healed = True
 
+    def _replica_id(self, slot: int, joining: bool) -> str:
+        """The id this replica's manager server heartbeats and asks for quorums under (see
+        "A replacement takes its predecessor's place" in the module docstring): the id of
+        the process it replaces, unless that one died while asking for a quorum (its request
+        may still sit in the Lighthouse: a new id keeps it out of any quorum)."""
+        store = self._job_store
+        assert store is not None
+        fresh = f"slot{slot}:{uuid.uuid4()}"
+        with contextlib.suppress(Exception):
+            if joining and store.check([self._id_key]):
+                asking = store.check([self._asking_key]) and store.get(self._asking_key) == b"1"
+                if not asking:
+                    return str(store.get(self._id_key).decode())
+            store.set(self._id_key, fresh)
+            store.set(self._asking_key, "0")
+            return fresh
+        return fresh
+
+    def _asking(self, value: str) -> None:
+        """Mark in the job's store whether this replica has a quorum request outstanding."""
+        store = self._job_store
+        if self._keeps_id and store is not None:
+            with contextlib.suppress(Exception):
+                store.set(self._asking_key, value)
+
     # ------------------------------------------------------------------ transactions
     def begin(self) -> None:
         """Form the quorum for the next synchronising step (heal this replica if it is
@@ -397,12 +448,14 @@ class FaultTolerantComm(Comm):
         t0 = time.perf_counter()
         received = getattr(self.transport, "bytes_received", 0)
         self._healed = False
+        self._asking("1")
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.quorum_timeout))
         except StratagemError:
             raise  # the heal refused the peer's state (another model): said there
         except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError
             raise self._quorum_error(exc) from exc
+        self._asking("0")  # answered: the Lighthouse holds no request of ours any more
         if self.manager.errored() is not None:
             err = self.manager.errored()
             original = getattr(err, "original_exception", err)
@@ -774,6 +827,9 @@ class FaultTolerantComm(Comm):
     def close(self) -> None:
         if self._closed:
             return
+        if self.unfreeze_gc_on_close:  # comm_from_env froze the worker's older objects
+            self.unfreeze_gc_on_close = False
+            gc.unfreeze()
         if self._beat is not None:
             self._beat.stop()
             self._beat = None

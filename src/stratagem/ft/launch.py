@@ -11,6 +11,7 @@ older than :data:`HEARTBEAT_TIMEOUT_MS` (its manager server died with it). A sta
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import secrets
 import stat
@@ -194,10 +195,22 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
 
         group_comm = Comm.default_group(PrefixStore("group", group_store), group_rank,
                                         group_size, timeout=timeout, device=device)
-    return FaultTolerantComm(
+    # After a failed step every survivor runs a full garbage collection (the failed group's
+    # last references sit in cycles: FaultTolerantComm._drop_group). With torch and its
+    # compiler front end imported it walked ~0.5 s of objects in each survivor (py-spy),
+    # which delayed its quorum request and took the CPU a replacement needs to start. What
+    # exists before this worker's Comm (modules, the script's data) lives as long as the
+    # worker: freeze it out of the cyclic collector (reference counting still frees it;
+    # close() unfreezes). Process groups, their work and errors come after: still collected.
+    frozen = gc.isenabled() and gc.get_freeze_count() == 0  # a user's own freeze stays
+    if frozen:
+        gc.freeze()
+    comm = FaultTolerantComm(
         lighthouse=env[LIGHTHOUSE_ENV], slot=slot, num_slots=int(env[SLOTS_ENV]),
         token=read_token_file(env[TOKEN_FILE_ENV]), min_replicas=max(floor, min_replicas),
         timeout=timeout, host=host, job_store=job_store, device=device,
         allow_remote=not is_loopback(host), joining=life > 0,
         group_rank=group_rank, group_size=group_size, group_store=group_store,
         group_comm=group_comm)
+    comm.unfreeze_gc_on_close = frozen
+    return comm
