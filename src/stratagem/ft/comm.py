@@ -419,7 +419,6 @@ class FaultTolerantComm(Comm):
                     return str(store.get(self._id_key).decode())
             store.set(self._id_key, fresh)
             store.set(self._asking_key, "0")
-            return fresh
         return fresh
 
     def _asking(self, value: str) -> None:
