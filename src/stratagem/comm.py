@@ -24,6 +24,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -142,6 +143,29 @@ class Heartbeat:
             self._thread.join(timeout=5.0)
 
 
+def _nccl_device(device: torch.device | None) -> torch.device | None:
+    """``device`` where NCCL can serve it, else None (collectives over gloo alone).
+
+    NCCL gives every process of a group its own GPU and refuses two ranks on one ("Duplicate
+    GPU detected"), which is what a node running more processes than it has GPUs gets from
+    the default device (``LOCAL_RANK % device_count``): 4 workers on a 1-GPU machine, say.
+    There the group stays on gloo, whose collectives take CUDA tensors through host memory
+    (slower than NCCL, correct), and a warning says so and how to get NCCL back."""
+    if device is None or device.type != "cuda":
+        return device
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = int(raw) if raw.isdigit() else 1
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        warnings.warn(
+            f"{local} processes on this node share {gpus} GPU(s) (LOCAL_WORLD_SIZE={local}): "
+            "NCCL refuses two ranks on one GPU, so stratagem's collectives run over gloo "
+            "(CUDA tensors staged through host memory). Fix, for NCCL: launch at most "
+            f"{gpus} process(es) per node (--nproc {gpus}).", RuntimeWarning, stacklevel=3)
+        return None
+    return device
+
+
 def new_group(store: dist.Store, rank: int, world_size: int, timeout: float,
               device: torch.device | None = None) -> dist.ProcessGroup:
     """A process group of its own over ``store`` (not torch.distributed's default group, and
@@ -156,6 +180,7 @@ def new_group(store: dist.Store, rank: int, world_size: int, timeout: float,
     gloo._set_sequence_number_for_group()
     pg._register_backend(torch.device("cpu"), gloo_type, gloo)
     default = gloo_type
+    device = _nccl_device(device)
     if device is not None and device.type == "cuda":  # pragma: no cover - no CUDA here
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout)
@@ -418,6 +443,7 @@ class Comm:
         """A Comm over torch.distributed's default process group, initialised here over
         ``store`` (``from_env``; a fault-tolerant replica group of several processes, whose
         FSDP2 needs a registered group). Destroyed by the last Comm's close."""
+        device = _nccl_device(device)
         backend = "cpu:gloo,cuda:nccl" if (device is not None and device.type == "cuda") else "gloo"
         global _OWNS_DEFAULT_GROUP, _DEFAULT_GROUPS_CREATED
         generation = _DEFAULT_GROUPS_CREATED

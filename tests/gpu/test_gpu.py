@@ -193,6 +193,37 @@ def test_sync_strategies_on_cuda_tensors_over_gloo_in_2_processes():
         _assert_states(r0["state"], cpu[0][name]["state"], atol=1e-4, rtol=1e-4)
 
 
+def _defaults_worker() -> dict[str, Any]:
+    """More processes than GPUs, everything left to its default (device and comm): the
+    group must not ask NCCL for two ranks on one GPU (it refuses: "Duplicate GPU detected")."""
+    import warnings
+
+    out: dict[str, Any] = {}
+    for name, kwargs in (("mirrored", {}), ("diloco", {"period": 4, "compression": "int4"})):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            strategy = sg.from_name(name, timeout=60, **kwargs)
+            model, _, losses, devices = _train(strategy, steps=8)
+        strategy.finalize(model)
+        out[name] = {"device": str(strategy.device), "data": sorted(devices),
+                     "state": _cpu_state(strategy.eval_model(model)),
+                     "warned": any("NCCL refuses two ranks on one GPU" in str(w.message)
+                                   for w in caught)}
+        strategy.close()
+    return out
+
+
+def test_more_processes_than_gpus_with_default_device_run_over_gloo():
+    nprocs = torch.cuda.device_count() + 1
+    results = sg.launch(_defaults_worker, nprocs=nprocs, timeout=300)
+    for name in ("mirrored", "diloco"):
+        r0 = results[0][name]
+        assert r0["device"].startswith("cuda") and r0["data"] == ["cuda"], (name, r0["device"])
+        assert all(r[name]["warned"] for r in results), name
+        for r in results[1:]:
+            _assert_states(r0["state"], r[name]["state"], atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------- parameter server
 
 
