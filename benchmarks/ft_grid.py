@@ -33,7 +33,8 @@ Columns (``timeline``: for each step number, the first time any worker committed
   before the kill, minus the median step of the fault-free run (restart-all includes the
   replayed steps since its checkpoint);
 - heal/restart: kill -> the killed worker's (replacement's) first committed step;
-- final accuracy (test set, 1000 digits), bytes moved per heal (stratagem: the
+- final accuracy (test set, 1000 digits; ``--model gpt``: the validation loss of the
+  character-level GPT of ``train_ft.py --model gpt``, AdamW, the same for torchft), bytes moved per heal (stratagem: the
   ``SafeHealTransport``'s count of the bytes the joiner received, via
   ``FaultTolerantComm.last_heal_bytes``; torchft: the tensors of the state dict received;
   restart-all: the checkpoint read by each of the 4 workers at each restart).
@@ -162,10 +163,12 @@ def run(system: str, period: float | None, args: argparse.Namespace) -> dict[str
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     common = ["--steps", str(args.steps), "--step-sleep", str(args.step_sleep),
               "--width", str(args.width), "--timeout", str(args.timeout)]
+    data = ["--data", "charlm", "--model", "gpt"] if args.model == "gpt" else [
+        "--data", "mnist", "--model", "mlp"]
     torchft_job: _TorchftJob | None = None
     proc: subprocess.Popen[bytes] | None = None
     launcher = [sys.executable, "-m", "stratagem.cli", "run", "--nproc", str(NPROC)]
-    train = [str(TRAIN), "--out", str(out), "--data", "mnist", "--model", "mlp", *common]
+    train = [str(TRAIN), "--out", str(out), *data, *common]
     if system in ("ft-mirrored", "ft-diloco"):
         cmd = [*launcher, "--fault-tolerant", "--max-restarts", "50", *train,
                "--strategy", system.removeprefix("ft-")]
@@ -182,7 +185,7 @@ def run(system: str, period: float | None, args: argparse.Namespace) -> dict[str
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     else:
-        torchft_job = _TorchftJob(out, common, env)
+        torchft_job = _TorchftJob(out, [*common, "--model", args.model], env)
 
     def poll() -> int | None:
         if proc is not None:
@@ -303,6 +306,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--model", choices=["mlp", "gpt"], default="mlp",
+                   help="mlp: the MNIST-5k MLP (metric: test accuracy); gpt: the LM demo's "
+                        "character-level GPT (metric: validation loss)")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
@@ -337,16 +343,19 @@ def main() -> None:
             r["time_lost_per_failure_s"] = [x - ref["median_step_ms"] / 1e3
                                             for x in r["kill_to_next_commit_s"]]
             r["accuracy_delta_points"] = 100 * (r["accuracy"] - ref["accuracy"])
+            r["metric_vs_fault_free"] = r["accuracy"] / ref["accuracy"]
             rows.append(r)
             print(r, flush=True)
+    work, metric = (("the character-level GPT (2 layers, 64 wide, AdamW)", "validation loss")
+                    if args.model == "gpt" else ("MNIST-5k MLP", "accuracy"))
     lines = [f"`PYTHONPATH=src python benchmarks/ft_grid.py --periods {args.periods} "
              f"--systems {args.systems} --steps {args.steps} --step-sleep {args.step_sleep} "
              f"--width {args.width} --ckpt-every {args.ckpt_every} --seed {args.seed} "
-             f"--kill-until {args.kill_until}` "
-             f"({NPROC} workers, MNIST-5k MLP, a random live worker SIGKILLed every T s)", "",
+             f"--kill-until {args.kill_until} --model {args.model}` "
+             f"({NPROC} workers, {work}, a random live worker SIGKILLed every T s)", "",
              "| T s | system | kills | goodput vs fault-free | time lost per failure s (mean; "
-             "each) | kill -> replacement's first step s (mean; max) | accuracy | bytes per heal "
-             "| median step ms | train s |",
+             f"each) | kill -> replacement's first step s (mean; max) | {metric} | bytes per "
+             "heal | median step ms | train s |",
              "|---:|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:

@@ -8,7 +8,10 @@ one ``torchft.Manager`` per replica group (one process each), ``ProcessGroupGloo
 gradients averaged with ``manager.allreduce``, the optimizer stepped only if
 ``manager.should_commit()``; a restarted replica heals from a live peer at its first quorum
 (model and optimizer state; its data position follows from the healed step, since torchft
-does not carry one: its issue #58).
+does not carry one: its issue #58). ``--model gpt``: the work of ``train_ft.py --data charlm
+--model gpt`` instead (the LM demo's character-level GPT, 2 layers, 64 wide, AdamW lr 3e-3,
+64-character windows, the same 64 validation windows; ``acc.<slot>`` holds the validation
+loss).
 
 Heal transport: torchft's own ``HTTPTransport``, which **unpickles** what it receives
 (``torch.load(weights_only=False)``): acceptable in this benchmark on loopback only, never in
@@ -45,6 +48,7 @@ from torchft.checkpointing.http_transport import HTTPTransport
 from stratagem._rendezvous import bound_tcp_store
 from stratagem.data import DistributedLoader
 from stratagem.demo import MLP, load_mnist5k
+from stratagem.demo_lm import GPT, GPTConfig, encode, load_corpus, split_corpus, windows
 from stratagem.ft.comm import loopback_gloo_group, loopback_manager_server
 
 HOST = "127.0.0.1"
@@ -72,16 +76,32 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
     args = p.parse_args()
     slot = int(os.environ["FTG_SLOT"])
     out = args.out
     with open(os.path.join(out, f"pids.{slot}"), "a") as f:
         f.write(f"{os.getpid()}\n")
 
-    train, test = load_mnist5k()
     torch.manual_seed(0)
-    model = MLP(hidden=args.width)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    if args.model == "gpt":
+        tokens, held = split_corpus(encode(load_corpus()))
+        train = windows(tokens, 64)
+        test = tuple(t[:64] for t in windows(held, 64))
+        model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.0))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    else:
+        train, test = load_mnist5k()
+        model = MLP(hidden=args.width)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def loss_of(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        if args.model == "gpt":
+            return model(xb, yb)[1]  # type: ignore[no-any-return]
+        return F.cross_entropy(model(xb), yb)
+
     loader = DistributedLoader(train, 60, num_replicas=NSLOTS, replica_id=slot, seed=1)
     per_epoch = len(loader)
     cache: dict[int, list[Any]] = {}
@@ -134,7 +154,7 @@ def main() -> None:
             with open(os.path.join(out, f"heal.{slot}"), "a") as f:
                 f.write(f"{len(healed)} {healed[-1]} {heal_seconds:.6f} {time.time():.6f}\n")
         xb, yb = batch(manager.current_step())
-        F.cross_entropy(model(xb), yb).backward()
+        loss_of(xb, yb).backward()
         works = [manager.allreduce(q.grad) for q in model.parameters() if q.grad is not None]
         for w in works:
             w.wait()
@@ -148,8 +168,11 @@ def main() -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
     with torch.no_grad():
-        acc = (model(test[0]).argmax(1) == test[1]).float().mean().item()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+        if args.model == "gpt":  # the validation loss (lower is better)
+            acc = loss_of(test[0], test[1]).item()
+        else:
+            acc = (model(test[0]).argmax(1) == test[1]).float().mean().item()
+    save_file({k: v.contiguous().clone() for k, v in model.state_dict().items()},  # tied
               os.path.join(out, f"final.{slot}.safetensors"))
     with open(os.path.join(out, f"acc.{slot}"), "w") as f:
         f.write(f"{acc}\n{manager.current_step()}\ntorchft heals={len(healed)}\n")
