@@ -63,6 +63,7 @@ def _train(address: str, steps: int, *, shared_memory: bool | None,
             assert all(o.applied for o in got.outcomes.values())
             values, versions = got.values, got.versions
         used = table.shared_memory_shards
+        assert client.health()[0]["shm_pushes"] == (steps if used else 0)
     return values, versions, used
 
 
@@ -174,6 +175,7 @@ def test_hostile_regions_are_refused_and_a_good_client_is_served(shard: ShardSer
             got = table.push_fetch_async(_grads(params, i + 1), fetch=list(params)).result()
             assert got.versions["w"] == i + 2  # the good client is still served, by shm
         assert table.shared_memory_shards == [0]
+        assert good.health()[0]["shm_pushes"] == len(cases) + 1
         # Unauthenticated: refused before anything is read.
         fd = _sealed(lay.size)
         with PSClient([shard.address], timeout=10) as anonymous:

@@ -319,6 +319,7 @@ class ShardServer:
         #: Shared-memory regions of workers on this machine, by id (stratagem.ps.shm).
         self._regions: dict[str, _Region] = {}
         self._regions_lock = threading.Lock()
+        self._shm_pushes = 0  # served through a region (health: the path is in use)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -871,7 +872,7 @@ class ShardServer:
             charged = self._charged
         fields = {
             "ok": True, "pid": os.getpid(), "num_tensors": len(slots),
-            "shm_regions": len(self._regions),
+            "shm_regions": len(self._regions), "shm_pushes": self._shm_pushes,
             "bytes": sum(s.value.nbytes for s in slots), "dropped": sum(s.dropped for s in slots),
             "refused": sum(s.refused for s in slots),
             "charged_bytes": charged, "max_bytes": self.max_bytes,
@@ -1125,6 +1126,7 @@ class ShardServer:
         finally:
             for s in reversed(unique):
                 s.lock.release()
+        self._shm_pushes += 1
         return wire.encode("pushed", {"results": results, "versions": versions})
 
     def _shm_detach(self, msg: Message) -> bytes:

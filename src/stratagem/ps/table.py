@@ -145,6 +145,7 @@ class ShardedParameters:
         #: Per shard: whether to try a shared-memory region (once; see _shm_attach).
         self._shm_wanted = [use_shm and is_on_this_host(a) for a in client.addresses]
         self._shm_regions: dict[int, shm.WorkerRegion] = {}
+        self._shm_lock = threading.Lock()
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -400,11 +401,14 @@ class ShardedParameters:
         written into it now (the caller may change them once we return); None where the gRPC
         path applies: shared memory off or unavailable for this shard, a tensor or dtype
         outside the region's layout, or the region busy with another call."""
-        if not self._shm_wanted[shard]:
-            return None
         region = self._shm_regions.get(shard)
         if region is None:
-            region = self._shm_attach(shard, items, fetch or ())
+            if not self._shm_wanted[shard]:
+                return None
+            with self._shm_lock:  # one region per shard, whichever thread comes first
+                region = self._shm_regions.get(shard)
+                if region is None and self._shm_wanted[shard]:
+                    region = self._shm_attach(shard, items, fetch or ())
             if region is None:
                 return None
         lay = region.layout
