@@ -430,8 +430,10 @@ def test_small_calls_run_on_the_loop_and_big_ones_on_threads_without_lost_update
     small, big = torch.zeros(1000), torch.zeros(600_000)  # 4 KB and 2.4 MB
     try:
         with PSClient(addrs, timeout=20) as client:
+            # The gRPC path's scheduling (the shared-memory path is tests/ps/test_shm.py).
             table = ShardedParameters(client, {"small": small, "big": big},
-                                      optimizer_spec={"name": "sgd", "lr": 1.0})
+                                      optimizer_spec={"name": "sgd", "lr": 1.0},
+                                      shared_memory=False)
             table.register()
             offloaded.clear()
             for _ in range(20):  # one caller: nothing busy, so no hand-off at all
@@ -442,7 +444,8 @@ def test_small_calls_run_on_the_loop_and_big_ones_on_threads_without_lost_update
 
             def pusher(name: str, n: int, steps: int) -> None:
                 t = ShardedParameters(client, {"small": small, "big": big},
-                                      optimizer_spec={"name": "sgd", "lr": 1.0})
+                                      optimizer_spec={"name": "sgd", "lr": 1.0},
+                                      shared_memory=False)
                 t.register()
                 for _ in range(steps):
                     t.push_fetch_async({name: torch.ones(n)}, fetch=[name]).result()

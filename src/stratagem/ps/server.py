@@ -9,7 +9,9 @@ exchange, optimizer slots and hyperparameters) is :mod:`stratagem.ps.rules`.
 Each tensor has its own lock, optimizer and version counter, so pushes to different tensors run
 concurrently. Operations (the ``op`` of a :mod:`stratagem.ps.wire` message): ``health``,
 ``register``, ``pull``, ``pull_rows``, ``push``, ``push_sparse``, ``wait_version``, ``elastic``,
-``set_hyperparams``, ``get_state``, ``set_state``, ``shutdown``.
+``set_hyperparams``, ``get_state``, ``set_state``, ``shutdown``; and for workers on the same
+machine ``shm_attach``, ``shm_push`` (a push+fetch whose tensors are in a shared-memory region,
+checked and applied as a ``push``) and ``shm_detach`` (:mod:`stratagem.ps.shm`).
 
 Run one shard as a process with ``python -m stratagem.ps.server --host H --port P
 [--port-file PATH]``; it exits 0 on SIGTERM/SIGINT or a ``shutdown`` call.
@@ -26,6 +28,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -33,6 +36,7 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,7 +45,7 @@ import torch
 from stratagem._rendezvous import bracket_host
 from stratagem.ps import auth as ps_auth
 from stratagem.ps import optim as ps_optim
-from stratagem.ps import rules, wire
+from stratagem.ps import rules, shm, wire
 from stratagem.ps.flags import DEFAULT_MAX_BYTES, add_shard_arguments
 from stratagem.ps.rpc import grpc
 from stratagem.ps.rules import Slot
@@ -65,7 +69,10 @@ _LOUD = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
 #: buckets), and a bucketed Downpour step makes up to 16 such calls per worker. The bound
 #: keeps the loop's pause per call to about a millisecond.
 _INLINE_BYTES = 1 << 20
-_INLINE_OPS = frozenset({"push", "pull", "health"})
+_INLINE_OPS = frozenset({"push", "pull", "health", "shm_push"})
+#: Shared-memory regions one shard maps at most (those of dead workers are dropped first):
+#: each is bounded by the registered tensors it covers (two copies), so this bounds them all.
+_MAX_REGIONS = 64
 #: What a tensor entry (in a request, or a slot a reply lists) counts as in that bound: its
 #: header JSON, checks and objects cost ~10 us each, so a request of a few thousand empty
 #: tensors is decoded and served on a tensor thread, not on the loop.
@@ -174,6 +181,16 @@ class _LoopThread:
         if threading.current_thread() is self.thread:
             raise RuntimeError("cannot wait for the shard loop from inside it")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@dataclass
+class _Region:
+    """A worker's shared-memory region as the shard maps it (views keep the mapping alive)."""
+
+    pid: int
+    layout: shm.Layout
+    grads: dict[str, torch.Tensor]
+    values: dict[str, torch.Tensor]
 
 
 class _Abort:
@@ -296,7 +313,13 @@ class ShardServer:
             "elastic": self._elastic,
             "set_hyperparams": self._set_hyperparams, "get_state": self._get_state,
             "set_state": self._set_state, "shutdown": self._shutdown,
+            "shm_attach": self._shm_attach, "shm_push": self._shm_push,
+            "shm_detach": self._shm_detach,
         }
+        #: Shared-memory regions of workers on this machine, by id (stratagem.ps.shm).
+        self._regions: dict[str, _Region] = {}
+        self._regions_lock = threading.Lock()
+        self._shm_pushes = 0  # served through a region (health: the path is in use)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -731,6 +754,10 @@ class ShardServer:
         not run on the loop (a malformed field is left for the op to refuse)."""
         if msg.op not in _INLINE_OPS:
             return _INLINE_BYTES + 1
+        if msg.op == "shm_push":  # at most its region's bytes (copied out and in)
+            rid = msg.fields.get("region")
+            region = self._regions.get(rid) if isinstance(rid, str) else None
+            return region.layout.size if region is not None else 0
         total = sum(e.tensor.nbytes + _ENTRY_BYTES for e in msg.entries)
         names = msg.fields.get("fetch" if msg.op == "push" else "names")
         if msg.op == "health" or (msg.op == "pull" and names is None):  # every tensor
@@ -845,6 +872,7 @@ class ShardServer:
             charged = self._charged
         fields = {
             "ok": True, "pid": os.getpid(), "num_tensors": len(slots),
+            "shm_regions": len(self._regions), "shm_pushes": self._shm_pushes,
             "bytes": sum(s.value.nbytes for s in slots), "dropped": sum(s.dropped for s in slots),
             "refused": sum(s.refused for s in slots),
             "charged_bytes": charged, "max_bytes": self.max_bytes,
@@ -932,10 +960,25 @@ class ShardServer:
         max_staleness = _int(msg.fields, "max_staleness")
         fetch = _names(msg.fields, "fetch")
         wanted = [self._slot(n) for n in fetch] if fetch is not None else []
-        # Everything is checked before anything is applied: one bad tensor refuses the request.
+        checked = self._check_push(msg.entries)
+        if fetch is not None:
+            self._check_reply("push", [(s.name, s.value.nbytes) for s in wanted],
+                              extra=64 * len(checked))
+        results = self._apply_push(checked, max_staleness)
+        if fetch is None:
+            return wire.encode("pushed", {"results": results})
+        # Push and fetch in one round trip (a Downpour step): the values after this push.
+        return self._snapshot(wanted, "pushed", {"results": results})
+
+    def _check_push(self, entries: Sequence[Entry]
+                    ) -> list[tuple[Slot, Entry, Callable[[], torch.Tensor]]]:
+        """The pushed gradients, each with its slot and its cast (built lazily), after every
+        check a push gets (shape, dtype, base version, finiteness, overflow of the cast):
+        everything is checked before anything is applied, so one bad tensor refuses the
+        request. Shared by the gRPC push and the shared-memory one."""
         checked: list[tuple[Slot, Entry, Callable[[], torch.Tensor]]] = []
         slots: list[Slot] = []
-        for e in msg.entries:
+        for e in entries:
             slot = self._slot(e.name)
             if slot.mode == "elastic":
                 raise _err(f"tensor {slot.name!r} is registered for elastic averaging; it "
@@ -944,28 +987,153 @@ class ShardServer:
             if e.version is None:
                 raise _err(f"gradient for {slot.name!r} carries no base version")
             slots.append(slot)
-        rules.check_grads([(slot, e.tensor) for slot, e in zip(slots, msg.entries,
-                                                               strict=True)])
-        for slot, e in zip(slots, msg.entries, strict=True):
+        rules.check_grads([(slot, e.tensor) for slot, e in zip(slots, entries, strict=True)])
+        for slot, e in zip(slots, entries, strict=True):
             if rules.narrows(e.tensor.dtype, slot.value.dtype):
                 # Checked after the cast, before anything is applied (what will be stored).
                 cast = rules.to_slot_dtype(slot, e.tensor)
                 checked.append((slot, e, functools.partial(_same, cast)))
             else:  # built lazily: a dropped gradient costs nothing
                 checked.append((slot, e, functools.partial(rules.to_slot_dtype, slot, e.tensor)))
-        if fetch is not None:
-            self._check_reply("push", [(s.name, s.value.nbytes) for s in wanted],
-                              extra=64 * len(checked))
-        # One fused optimizer step for the tensors of this push that share an optimizer
-        # configuration (rules.offer_many), the same results as one offer per tensor.
+        return checked
+
+    def _apply_push(self, checked: Sequence[tuple[Slot, Entry, Callable[[], torch.Tensor]]],
+                    max_staleness: int | None) -> list[list[Any]]:
+        """Offer the checked gradients: one fused optimizer step for the tensors of this push
+        that share an optimizer configuration (rules.offer_many), the same results as one
+        offer per tensor."""
         results = rules.offer_many([(slot, e.version, grad) for slot, e, grad in checked],
                                    max_staleness)
         for (slot, _, _), result in zip(checked, results, strict=True):
             self._after_offer(slot, result)
-        if fetch is None:
-            return wire.encode("pushed", {"results": results})
-        # Push and fetch in one round trip (a Downpour step): the values after this push.
-        return self._snapshot(wanted, "pushed", {"results": results})
+        return results
+
+    # -- same-host shared memory (stratagem.ps.shm) ----------------------------------------
+
+    def _shm_attach(self, msg: Message) -> bytes:
+        """Map a worker's region (:func:`stratagem.ps.shm.open_region` checks it); answers its
+        id. The layout is computed here from this shard's own tensors and the pushed dtypes
+        the worker declares, so the region's size is bounded by what is registered."""
+        f = msg.fields
+        declared = f.get("entries")
+        nonce_hex = f.get("nonce")
+        if (not isinstance(declared, list) or not declared
+                or len(declared) > self.limits.max_tensors
+                or not all(isinstance(d, list) and len(d) == 2 and isinstance(d[0], str)
+                           and isinstance(d[1], str) for d in declared)):
+            raise _err(f"shm_attach needs 'entries': a list of 1 to {self.limits.max_tensors} "
+                       "[name, pushed dtype] pairs")
+        if not isinstance(nonce_hex, str) or len(nonce_hex) != 2 * shm.NONCE_BYTES:
+            raise _err(f"shm_attach needs 'nonce': {2 * shm.NONCE_BYTES} hex digits")
+        try:
+            nonce = bytes.fromhex(nonce_hex)
+        except ValueError:
+            raise _err("shm_attach: 'nonce' is not hex") from None
+        names = [d[0] for d in declared]
+        if len(set(names)) != len(names):
+            raise _err(f"shm_attach: tensor {_first_repeat(names)!r} is declared twice")
+        entries = []
+        for name, dtype_name in declared:
+            slot = self._slot(name)
+            dtype = wire.DTYPES.get(dtype_name)
+            if dtype is None or not dtype.is_floating_point:
+                raise _err(f"shm_attach: pushed dtype {dtype_name!r} of {name!r} is not a "
+                           "floating-point wire dtype")
+            entries.append((name, dtype, slot.value.dtype, tuple(slot.value.shape)))
+        lay = shm.layout(entries)
+        size, pid, fd = f.get("size"), f.get("pid"), f.get("fd")
+        if not (isinstance(pid, int) and isinstance(fd, int)):
+            raise _err(f"shm_attach needs integers 'pid' and 'fd', got pid={str(pid)[:20]} "
+                       f"fd={str(fd)[:20]}")
+        if size != lay.size:
+            raise _err(f"shm_attach: the region declares {size!r} bytes, the layout of its "
+                       f"tensors on this shard needs {lay.size}; every worker must build the "
+                       "same model (and use the same stratagem)")
+        with self._regions_lock:
+            self._purge_regions()
+            if len(self._regions) >= _MAX_REGIONS:
+                raise _err(f"shm_attach: shard {self.address} already maps {_MAX_REGIONS} "
+                           "shared-memory regions of live workers; this worker uses gRPC",
+                           "RESOURCE_EXHAUSTED")
+        try:
+            mm = shm.open_region(pid, fd, lay, nonce)
+        except shm.RegionRefused as exc:
+            raise _err(str(exc), "PERMISSION_DENIED") from None
+        grads, values = shm.views(mm, lay)
+        region = _Region(pid, lay, grads, values)
+        region_id = secrets.token_hex(16)
+        with self._regions_lock:
+            self._regions[region_id] = region
+        return wire.encode("ok", {"region": region_id})
+
+    def _purge_regions(self) -> None:
+        """Forget the regions of workers that are gone (caller holds ``_regions_lock``): a
+        worker that died never detached; its memory is freed once nothing maps it."""
+        for rid, region in list(self._regions.items()):
+            try:
+                os.kill(region.pid, 0)
+            except ProcessLookupError:
+                del self._regions[rid]
+            except OSError:
+                pass  # exists (another uid cannot be, but then it is alive)
+
+    def _region(self, fields: dict[str, Any]) -> _Region:
+        rid = fields.get("region")
+        region = self._regions.get(rid) if isinstance(rid, str) else None
+        if region is None:
+            raise _err(f"unknown shared-memory region {str(rid)[:40]!r} on shard "
+                       f"{self.address} (detached, or the shard restarted); the worker falls "
+                       "back to gRPC", "FAILED_PRECONDITION")
+        return region
+
+    def _shm_push(self, msg: Message) -> bytes:
+        """A push (and fetch) whose tensors are in the caller's region: the gradients are
+        copied out of it first (the worker may write the region at any time; what is checked
+        must be what is applied), then checked and applied exactly as a gRPC push, and the
+        values after it written into the region under the tensors' locks."""
+        region = self._region(msg.fields)
+        max_staleness = _int(msg.fields, "max_staleness")
+        pushed = msg.fields.get("push")
+        if not isinstance(pushed, list) or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _is_int(p[1])
+                for p in pushed):
+            raise _err("shm_push needs 'push': a list of [name, base version] pairs")
+        names = [p[0] for p in pushed]
+        if len(set(names)) != len(names):
+            raise _err(f"shm_push: tensor {_first_repeat(names)!r} is pushed twice")
+        fetch = _names(msg.fields, "fetch") or []
+        for n in (*names, *fetch):
+            if n not in region.grads:
+                raise _err(f"shm_push: {n!r} is not in this region's layout",
+                           "FAILED_PRECONDITION")
+        entries = [Entry(n, region.grads[n].clone(), base) for n, base in pushed]
+        checked = self._check_push(entries)
+        wanted = [self._slot(n) for n in fetch]
+        for s in wanted:
+            if s.value.shape != region.values[s.name].shape or (
+                    s.value.dtype != region.values[s.name].dtype):
+                raise _err(f"shm_push: {s.name!r} changed shape or dtype since the region was "
+                           "attached", "FAILED_PRECONDITION")
+        results = self._apply_push(checked, max_staleness)
+        versions: dict[str, int] = {}
+        unique = sorted({id(s): s for s in wanted}.values(), key=lambda s: s.name)
+        for s in unique:
+            s.lock.acquire()
+        try:
+            for s in wanted:
+                region.values[s.name].copy_(s.value)
+                versions[s.name] = s.version
+        finally:
+            for s in reversed(unique):
+                s.lock.release()
+        self._shm_pushes += 1
+        return wire.encode("pushed", {"results": results, "versions": versions})
+
+    def _shm_detach(self, msg: Message) -> bytes:
+        rid = msg.fields.get("region")
+        with self._regions_lock:
+            gone = self._regions.pop(rid, None) if isinstance(rid, str) else None
+        return wire.encode("ok", {"detached": gone is not None})
 
     def _push_sparse(self, msg: Message) -> bytes:
         name = msg.fields.get("name")

@@ -11,6 +11,8 @@ LeCun 2015).
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -20,13 +22,17 @@ import torch
 
 from stratagem.comm import bucketed
 from stratagem.compression import KINDS, check_compression
-from stratagem.errors import PeerTimeoutError
+from stratagem.errors import PeerTimeoutError, StratagemError
 from stratagem.ps import optim as ps_optim
+from stratagem.ps import shm, wire
+from stratagem.ps.addresses import is_on_this_host
 from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
-from stratagem.ps.transport import PSClient, PSFuture, Request
+from stratagem.ps.transport import PSClient, PSFuture, RemoteError, Request, refused_request
 from stratagem.ps.wire import Entry, Message
 
 __all__ = ["ShardedParameters", "PushOutcome", "PushFetch"]
+
+log = logging.getLogger(__name__)
 
 _STATUS_RANK = {"applied": 0, "accumulated": 1, "dropped": 2, "refused": 3}
 
@@ -75,6 +81,15 @@ class ShardedParameters:
     gradients of the current version is applied; late ones are dropped) or ``"elastic"``
     (EASGD center variables, changed only by :meth:`elastic_exchange`).
 
+    ``shared_memory`` (None: on unless ``STRATAGEM_PS_SHM=0``): a push+fetch to a shard on
+    this machine (:func:`stratagem.ps.addresses.is_on_this_host`) in one call per shard goes
+    through a shared-memory region (:mod:`stratagem.ps.shm`): only a small gRPC message per
+    step, the tensors read and written in place. The region is set up on the first such call
+    and covers that call's tensors; any other call, and any shard where it cannot be set up
+    (another machine, an older shard, no ``memfd``), uses gRPC, with the same results.
+    Memory: the region holds one copy of the pushed gradients and one of the fetched values,
+    shared by the worker and the shard (the gRPC path holds as much in messages per call).
+
     Failure behaviour: as :class:`PSClient` (``ParameterServerUnavailable`` naming the shard);
     :meth:`wait_version` raises :class:`stratagem.errors.PeerTimeoutError` when the version is
     not reached in time. Tensors returned by pulls may share memory with the received message
@@ -86,7 +101,7 @@ class ShardedParameters:
                  optimizer_specs: Mapping[str, Mapping[str, Any]] | None = None,
                  replicas_to_aggregate: int = 1, max_staleness: int | None = None,
                  partitioner: Partitioner | None = None, small_tensor_bytes: int = 65536,
-                 placement: str = "greedy") -> None:
+                 placement: str = "greedy", shared_memory: bool | None = None) -> None:
         if mode not in ("async", "sync", "elastic"):
             raise ValueError(f"mode must be 'async', 'sync' or 'elastic', got {mode!r}")
         if mode != "elastic" and optimizer_spec is None and not optimizer_specs:
@@ -119,8 +134,18 @@ class ShardedParameters:
                                           small_tensor_bytes=small_tensor_bytes,
                                           partitioner=partitioner)
         self._parts = {name: self.placement.parts_of(name) for name in params}
+        self._part_by_key = {p.key: p for p in self.placement.parts}
         self._versions: dict[str, int] = {}
         self._vlock = threading.Lock()
+        if shared_memory is not None and not isinstance(shared_memory, bool):
+            raise ValueError(f"shared_memory must be None, True or False, got "
+                             f"{shared_memory!r}")
+        use_shm = (shm.enabled() and shm.supported()) if shared_memory is None else (
+            shared_memory and shm.supported())
+        #: Per shard: whether to try a shared-memory region (once; see _shm_attach).
+        self._shm_wanted = [use_shm and is_on_this_host(a) for a in client.addresses]
+        self._shm_regions: dict[int, shm.WorkerRegion] = {}
+        self._shm_lock = threading.Lock()
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -317,6 +342,7 @@ class ShardedParameters:
         ms = self.max_staleness if max_staleness is None else max_staleness
         reqs: list[Request] = []
         order: list[list[Part]] = []
+        hooks: list[_ShmCall | None] = []
         for shard in sorted(set(by_shard) | set(fetch_by_shard)):
             buckets = _buckets(by_shard.get(shard, []), max_request_bytes)
             fetch_keys: list[list[str]] = [[] for _ in buckets]
@@ -324,24 +350,34 @@ class ShardedParameters:
             for p in fetch_by_shard.get(shard, []):
                 fetch_keys[where.get(p.key, len(buckets) - 1)].append(p.key)
             for parts, keys in zip(buckets, fetch_keys, strict=True):
-                entries = []
+                items: list[tuple[Part, torch.Tensor, torch.dtype, int]] = []
                 for p in parts:
                     g = grads[p.name]
                     if tuple(g.shape) != self._shapes[p.name]:
                         raise ValueError(f"gradient for {p.name!r} has shape "
                                          f"{tuple(g.shape)}, the parameter has "
                                          f"{self._shapes[p.name]}")
-                    g = _rows(g, p)
-                    if cdtype is not None and g.is_floating_point():
-                        g = g.to(cdtype)
-                    entries.append(Entry(p.key, g, self._base(p, base_versions)))
-                fields: dict[str, Any] = {"max_staleness": ms}
-                if fetch is not None:
-                    fields["fetch"] = keys
-                reqs.append((shard, "push", fields, entries))
+                    dtype = (cdtype if cdtype is not None and g.is_floating_point()
+                             else g.dtype)
+                    items.append((p, _rows(g, p), dtype, self._base(p, base_versions)))
+                wanted = keys if fetch is not None else None
+                call = (self._shm_call(shard, items, wanted, ms) if len(buckets) == 1
+                        else None)
+                if call is not None:
+                    reqs.append((shard, "shm_push", call.fields, ()))
+                else:
+                    entries = [Entry(p.key, g if g.dtype == dtype else g.to(dtype), base)
+                               for p, g, dtype, base in items]
+                    fields: dict[str, Any] = {"max_staleness": ms}
+                    if wanted is not None:
+                        fields["fetch"] = wanted
+                    reqs.append((shard, "push", fields, entries))
+                hooks.append(call)
                 order.append(parts)
 
         def finish(msgs: list[Message]) -> PushFetch:
+            msgs = [m if call is None else call.message(m)
+                    for m, call in zip(msgs, hooks, strict=True)]
             per_part: dict[str, list[PushOutcome]] = {}
             for parts, m in zip(order, msgs, strict=True):
                 for p, r in zip(parts, m.fields["results"], strict=True):
@@ -354,7 +390,111 @@ class ShardedParameters:
             versions = {n: min(seen[p.key] for p in self._parts[n]) for n in fetch_names}
             return PushFetch(outcomes, values, versions)
 
-        return self.client.submit(reqs, finish)
+        after = [None if c is None else c.after for c in hooks] if any(hooks) else None
+        return self.client.submit(reqs, finish, after=after)
+
+    # -- same-host shared memory ----------------------------------------------------------
+
+    def _shm_call(self, shard: int, items: Sequence[tuple[Part, torch.Tensor, torch.dtype, int]],
+                  fetch: Sequence[str] | None, max_staleness: int | None) -> _ShmCall | None:
+        """The push+fetch of one shard through its shared-memory region, the gradients
+        written into it now (the caller may change them once we return); None where the gRPC
+        path applies: shared memory off or unavailable for this shard, a tensor or dtype
+        outside the region's layout, or the region busy with another call."""
+        region = self._shm_regions.get(shard)
+        if region is None:
+            if not self._shm_wanted[shard]:
+                return None
+            with self._shm_lock:  # one region per shard, whichever thread comes first
+                region = self._shm_regions.get(shard)
+                if region is None and self._shm_wanted[shard]:
+                    region = self._shm_attach(shard, items, fetch or ())
+            if region is None:
+                return None
+        lay = region.layout
+        if region.dead or any(p.key not in lay.grads or lay.grads[p.key].dtype != dtype
+                              for p, _, dtype, _ in items) or any(
+                k not in lay.values for k in fetch or ()):
+            return None
+        if not region.lock.acquire(blocking=False):
+            return None
+        try:
+            if region.dead:
+                region.lock.release()
+                return None
+            with torch.no_grad():
+                for p, g, _, _ in items:
+                    region.grads[p.key].copy_(g)  # casts as .to(dtype) does
+        except BaseException:
+            region.lock.release()
+            raise
+        fields: dict[str, Any] = {"region": region.region_id, "max_staleness": max_staleness,
+                                  "push": [[p.key, base] for p, _, _, base in items]}
+        if fetch is not None:
+            fields["fetch"] = list(fetch)
+        self.client.account(sum(lay.grads[p.key].nbytes for p, _, _, _ in items),
+                            sum(lay.values[k].nbytes for k in fetch or ()))
+        return _ShmCall(region, fields, list(fetch or ()), self.client.addresses[shard])
+
+    def _shm_attach(self, shard: int, items: Sequence[tuple[Part, torch.Tensor, torch.dtype, int]],
+                    fetch: Sequence[str]) -> shm.WorkerRegion | None:
+        """Create this shard's region for the tensors of this call (pushed and fetched) and
+        have the shard map it; None (and gRPC for this shard from now on) if either fails."""
+        self._shm_wanted[shard] = False  # one try per shard, whatever happens
+        declared: dict[str, torch.dtype] = {p.key: dtype for p, _, dtype, _ in items}
+        for k in fetch:
+            declared.setdefault(k, self._dtypes[self._part_by_key[k].name])
+        if not declared or not all(d.is_floating_point for d in declared.values()):
+            return None
+        lay = shm.layout([(k, d, self._dtypes[self._part_by_key[k].name],
+                           self._part_by_key[k].shape) for k, d in declared.items()])
+        try:
+            region = shm.WorkerRegion(lay)
+        except (OSError, AttributeError, ValueError) as exc:
+            log.info("parameter-server shared memory unavailable (%s); using gRPC", exc)
+            return None
+        dtype_names = {v: k for k, v in wire.DTYPES.items()}
+        try:
+            reply = self.client.call(shard, "shm_attach", {
+                "pid": os.getpid(), "fd": region.fd, "size": lay.size,
+                "nonce": region.nonce.hex(),
+                "entries": [[k, dtype_names[d]] for k, d in declared.items()]})
+            rid = reply.fields.get("region")
+            if not isinstance(rid, str):
+                raise RemoteError("shm_attach answered no region id", code="DATA_LOSS",
+                                  address=self.client.addresses[shard])
+        except (StratagemError, ValueError) as exc:
+            region.release()
+            log.info("parameter-server shard %s did not map a shared-memory region (%s); "
+                     "using gRPC", self.client.addresses[shard], exc)
+            return None
+        finally:
+            region.close_fd()
+        region.region_id = rid
+        if not self._shm_regions:
+            self.client.on_close(self._shm_close)
+        self._shm_regions[shard] = region
+        return region
+
+    def _shm_close(self) -> None:
+        """Detach the regions (best effort, briefly: a dead shard must not hold up closing)
+        and drop the mappings."""
+        regions, self._shm_regions = self._shm_regions, {}
+        reqs: list[Request] = [(s, "shm_detach", {"region": r.region_id}, ())
+                               for s, r in sorted(regions.items())]
+        try:
+            if reqs:
+                self.client.submit(reqs, lambda ms: None, timeout=2.0).result()
+        except StratagemError:
+            pass
+        finally:
+            for r in regions.values():
+                r.release()
+
+    @property
+    def shared_memory_shards(self) -> list[int]:
+        """The shards this table reaches through a shared-memory region (alive)."""
+        return sorted(s for s, r in self._shm_regions.items() if not r.dead)
 
     def push(self, grads: Mapping[str, torch.Tensor],
              base_versions: Mapping[str, int] | int | None = None, *,
@@ -635,3 +775,38 @@ def _combine(outcomes: Sequence[PushOutcome]) -> PushOutcome:
     status = max((o.status for o in outcomes), key=_STATUS_RANK.__getitem__)
     return PushOutcome(max(o.staleness for o in outcomes), status,
                        min(o.version for o in outcomes))
+
+
+class _ShmCall:
+    """One push+fetch through a shared-memory region: its small request's fields, what
+    happens when the call is over (in the call thread: copy the fetched values out and free
+    the region for the next call) and the reply turned into a push's reply."""
+
+    __slots__ = ("region", "fields", "fetch", "address", "values")
+
+    def __init__(self, region: shm.WorkerRegion, fields: dict[str, Any], fetch: list[str],
+                 address: str) -> None:
+        self.region, self.fields, self.fetch, self.address = region, fields, fetch, address
+        self.values: dict[str, torch.Tensor] = {}
+
+    def after(self, reply: bytes | None, error: BaseException | None) -> None:
+        try:
+            if reply is not None:
+                self.values = {k: self.region.values[k].clone() for k in self.fetch}
+            elif not refused_request(error):
+                # A lost call (deadline, connection) may still be running on the shard, and a
+                # FAILED_PRECONDITION says the shard lost the region: never use it again.
+                self.region.dead = True
+        finally:
+            self.region.lock.release()
+
+    def message(self, m: Message) -> Message:
+        """The reply as a gRPC push's: the fetched values as entries with their versions."""
+        versions = m.fields.get("versions")
+        if not isinstance(versions, dict) or not all(
+                isinstance(versions.get(k), int) for k in self.fetch):
+            raise RemoteError(f"parameter-server shard {self.address} answered a shared-memory "
+                              "push without the fetched versions", code="DATA_LOSS",
+                              address=self.address)
+        return Message(m.op, m.fields,
+                       [Entry(k, self.values[k], versions[k]) for k in self.fetch], m.nbytes)

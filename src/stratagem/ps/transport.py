@@ -24,7 +24,7 @@ from stratagem.ps.rpc import grpc
 from stratagem.ps.wire import Entry, Message
 from stratagem.validation import check_timeout
 
-__all__ = ["PSClient", "PSFuture", "RemoteError", "Request"]
+__all__ = ["AfterCall", "PSClient", "PSFuture", "RemoteError", "Request", "refused_request"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -36,6 +36,21 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 #: The fix every "shard unavailable" error ends with.
 _REACH_HINT = ("check that the shard process is running and reachable (STRATAGEM_PS_ADDRS), "
                "or raise timeout=")
+
+
+#: What :meth:`PSClient.submit` calls when a call is over: ``(reply, None)`` or ``(None, error)``.
+AfterCall = Callable[["bytes | None", "BaseException | None"], None]
+
+#: Refusals a shard answers after reading the request and before acting on any of it.
+_REFUSED_REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def refused_request(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a shard's refusal of a request as malformed or over a limit: the
+    shard answered, so the call is over and nothing of it is still running there (unlike a
+    deadline or a lost connection, after which the shard may still be working on it)."""
+    return isinstance(exc, grpc.RpcError) and exc.code() in _REFUSED_REQUEST
 
 
 def _refused_stream(exc: grpc.RpcError) -> bool:
@@ -253,6 +268,7 @@ class PSClient:
         # with its length declared, so the shard admits it before receiving it (wire docs).
         self._chunked = [ch.stream_unary(wire.METHOD) for ch in self._channels]
         self._threads = _CallThreads()
+        self._closers: list[Callable[[], None]] = []
         self._stats_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -298,6 +314,23 @@ class PSClient:
             time.sleep(pause)
             pause = min(2 * pause, 0.1)
 
+    def _call_then(self, shard: int, data: bytes, due: float, after: AfterCall) -> bytes:
+        """:meth:`_call`, then ``after(reply, None)`` in the same thread, or ``after(None,
+        error)`` when the call failed: what must happen as soon as the call is over, whoever
+        waits for it."""
+        try:
+            reply = self._call(shard, data, due)
+        except BaseException as exc:
+            after(None, exc)
+            raise
+        after(reply, None)
+        return reply
+
+    def account(self, sent: int, received: int) -> None:
+        """Count bytes moved outside gRPC (a shared-memory region) as sent and received, so
+        ``bytes_sent`` covers every byte a step moves between the worker and its shards."""
+        self._account(sent, received, 0.0)
+
     def _receive(self, shard: int, op: str, fut: Any, timeout: float) -> Message:
         addr = self.addresses[shard]
         try:
@@ -328,13 +361,19 @@ class PSClient:
                               f"{exc}", code="DATA_LOSS", address=addr) from None
 
     def submit(self, requests: Sequence[Request], finish: Callable[[list[Message]], T],
-               *, timeout: float | None = None) -> PSFuture[T]:
-        """Send all ``requests`` at once (concurrently); ``finish`` maps the replies."""
+               *, timeout: float | None = None,
+               after: Sequence[AfterCall | None] | None = None
+               ) -> PSFuture[T]:
+        """Send all ``requests`` at once (concurrently); ``finish`` maps the replies.
+
+        ``after`` (one per request, or None): called with the raw reply or the error, in the
+        thread that made the call, as soon as it is over (see :meth:`_call_then`)."""
         t0 = time.perf_counter()
         deadline = self.timeout if timeout is None else timeout
         calls = []
         sent = 0
-        for shard, op, fields, entries in requests:
+        hooks = list(after) if after is not None else [None] * len(requests)
+        for (shard, op, fields, entries), hook in zip(requests, hooks, strict=True):
             if len(entries) > self.limits.max_tensors:
                 raise ValueError(f"{op!r} to shard {self.addresses[shard]} holds {len(entries)} "
                                  f"tensors, above max_tensors={self.limits.max_tensors} per "
@@ -345,7 +384,9 @@ class PSClient:
                                  f"above max_message_bytes={self.limits.max_message_bytes}; "
                                  "use more shards or a partitioner to split big tensors")
             sent += len(data)
-            fut = self._threads.submit(self._call, shard, data, time.monotonic() + deadline)
+            due = time.monotonic() + deadline
+            fut = (self._threads.submit(self._call, shard, data, due) if hook is None else
+                   self._threads.submit(self._call_then, shard, data, due, hook))
             del data
             calls.append((shard, op, fut, deadline))
         self._account(sent, 0, 0.0, len(calls))
@@ -400,7 +441,18 @@ class PSClient:
             seen, self._stats_seen = self._stats_seen, now
         return now[0] - seen[0], now[1] - seen[1], now[2] - seen[2]
 
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` first thing in :meth:`close`, while the channels are still open (a
+        table detaching its shared-memory regions); its errors are ignored."""
+        self._closers.append(fn)
+
     def close(self) -> None:
+        closers, self._closers = self._closers, []
+        for fn in closers:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - closing must not fail on a dead shard
+                pass
         self._threads.close()
         for ch in self._channels:
             ch.close()
