@@ -100,3 +100,16 @@ def join_with_late_chief(make_strategy, caplog) -> tuple[dict, dict, list[str]]:
     chief, other = run_ranks(job, 2)
     refusals = [r.getMessage() for r in caplog.records if "refused a call" in r.getMessage()]
     return chief, other, refusals
+
+
+def shard_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Three tensors of a parameter-server shard's tests (a matrix, a vector, an embedding)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 300, generator=g), "b": torch.randn(300, generator=g),
+            "e": torch.randn(40, 8, generator=g)}
+
+
+def shard_grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Gradients shaped like ``params``, reproducible per ``seed``."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return {k: torch.randn(v.shape, generator=g) for k, v in params.items()}

@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+from helpers import shard_grads as _grads
+from helpers import shard_params as _params
 from torch.testing import assert_close
 
 from stratagem.errors import PeerTimeoutError
@@ -17,17 +19,6 @@ from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient, RemoteError
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def _params(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 300, generator=g), "b": torch.randn(300, generator=g),
-            "e": torch.randn(40, 8, generator=g)}
-
-
-def _grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + seed)
-    return {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
 
 
 def test_register_is_idempotent_first_wins(client: PSClient) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import shard_grads as _grads
+from helpers import shard_params as _params
 from torch.testing import assert_close
 
 from stratagem.ps import shm
@@ -22,17 +24,6 @@ pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "shm-test-token"
 ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99], "weight_decay": 0.01}
-
-
-def _params(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 300, generator=g), "b": torch.randn(300, generator=g),
-            "e": torch.randn(40, 8, generator=g)}
-
-
-def _grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + seed)
-    return {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
 
 
 @pytest.fixture

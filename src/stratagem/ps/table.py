@@ -453,12 +453,11 @@ class ShardedParameters:
         except (OSError, AttributeError, ValueError) as exc:
             log.info("parameter-server shared memory unavailable (%s); using gRPC", exc)
             return None
-        dtype_names = {v: k for k, v in wire.DTYPES.items()}
         try:
             reply = self.client.call(shard, "shm_attach", {
                 "pid": os.getpid(), "fd": region.fd, "size": lay.size,
                 "nonce": region.nonce.hex(),
-                "entries": [[k, dtype_names[d]] for k, d in declared.items()]})
+                "entries": [[k, wire.DTYPE_NAMES[d]] for k, d in declared.items()]})
             rid = reply.fields.get("region")
             if not isinstance(rid, str):
                 raise RemoteError("shm_attach answered no region id", code="DATA_LOSS",

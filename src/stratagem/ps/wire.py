@@ -57,6 +57,7 @@ __all__ = [
     "decode_header",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DTYPES",
+    "DTYPE_NAMES",
     "Limits",
     "Entry",
     "Message",
@@ -110,7 +111,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _ENTRY_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes", "version"})
 _ENTRY_REQUIRED = _ENTRY_KEYS - {"version"}
 _HEADER_KEYS = frozenset({"op", "fields", "tensors"})
@@ -248,7 +249,7 @@ def encode(op: str, fields: Mapping[str, Any] | None = None,
     chunks: list[Any] = []
     pos = 0
     for e in entries:
-        dtype_name = _DTYPE_NAMES.get(e.tensor.dtype)
+        dtype_name = DTYPE_NAMES.get(e.tensor.dtype)
         if dtype_name is None:
             raise TypeError(
                 f"tensor {e.name!r} has dtype {e.tensor.dtype}, which the parameter-server wire "
