@@ -265,11 +265,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="mnist (default): the MLP job; lm: the GPT job")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--strategies", default=None, metavar="NAMES",
+                        help="comma-separated registry names of the rows to run (default: all: "
+                        + ",".join(r[1] for r in _DEMO_RUNS) + ")")
     parser.add_argument("--out", default="stratagem-demo",
                         help="directory for results.json and accuracy.png (default: %(default)s)")
     args = parser.parse_args(argv)
-    runs = [r for r in _DEMO_RUNS if _available(r[1])]
-    for label, name, _, _ in _DEMO_RUNS:
+    rows_asked = _DEMO_RUNS
+    if args.strategies is not None:
+        names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+        known = [r[1] for r in _DEMO_RUNS]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            parser.error(f"--strategies {args.strategies!r}: the demo's rows are "
+                         f"{','.join(known)}; {'unknown: ' + ','.join(unknown) if unknown else 'none named'}")
+        rows_asked = [r for r in _DEMO_RUNS if r[1] in names]
+    runs = [r for r in rows_asked if _available(r[1])]
+    for label, name, _, _ in rows_asked:
         if (label, name) not in [(r[0], r[1]) for r in runs]:
             print(f"(skipping {label}: its module is not available)")
     cfgs = [{"strategy": name, "strategy_args": sargs, "epochs": args.epochs, "label": label}

@@ -320,6 +320,8 @@ class ShardServer:
         self._regions: dict[str, _Region] = {}
         self._regions_lock = threading.Lock()
         self._shm_pushes = 0  # served through a region (health: the path is in use)
+        self._bells = 0  # doorbell threads serving a region (shm.Bell), under _regions_lock
+        self._bell_busy = 0  # of them, serving a push now (under _regions_lock)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -668,7 +670,7 @@ class ShardServer:
         assert self._loop is not None and self._executor is not None
         failure: _Abort
         try:
-            if (self._busy == 0 and len(request) <= _INLINE_BYTES
+            if (self._busy == 0 and self._bell_busy == 0 and len(request) <= _INLINE_BYTES
                     and _header_bytes(request) <= _INLINE_HEADER_BYTES):
                 # A small call: decode here; run it here too if it is small work (see
                 # _INLINE_BYTES). With no tensor thread busy no tensor lock is held, and none
@@ -873,6 +875,7 @@ class ShardServer:
         fields = {
             "ok": True, "pid": os.getpid(), "num_tensors": len(slots),
             "shm_regions": len(self._regions), "shm_pushes": self._shm_pushes,
+            "shm_bells": self._bells,
             "bytes": sum(s.value.nbytes for s in slots), "dropped": sum(s.dropped for s in slots),
             "refused": sum(s.refused for s in slots),
             "charged_bytes": charged, "max_bytes": self.max_bytes,
@@ -1059,12 +1062,77 @@ class ShardServer:
             mm = shm.open_region(pid, fd, lay, nonce)
         except shm.RegionRefused as exc:
             raise _err(str(exc), "PERMISSION_DENIED") from None
+        bell: tuple[int, int] | None = None
+        if f.get("bell") is not None and shm.bell_enabled():
+            try:
+                bell = shm.open_bell(pid, f.get("bell"), nonce)
+            except shm.RegionRefused as exc:  # the region stands; its steps go over gRPC
+                self._throttle("shm_bell", logging.INFO, f"parameter-server shard "
+                               f"{self.address}: no doorbell for a region: {exc}")
         grads, values = shm.views(mm, lay)
         region = _Region(pid, lay, grads, values)
         region_id = secrets.token_hex(16)
         with self._regions_lock:
             self._regions[region_id] = region
-        return wire.encode("ok", {"region": region_id})
+            if bell is not None:
+                self._bells += 1
+        if bell is not None:
+            threading.Thread(target=self._bell_loop, args=(region_id, region, *bell),
+                             name=f"stratagem-ps-bell-{region_id[:8]}", daemon=True).start()
+        return wire.encode("ok", {"region": region_id, "bell": bell is not None})
+
+    def _bell_loop(self, rid: str, region: _Region, rfd: int, wfd: int) -> None:
+        """Serve one region's doorbell (:class:`stratagem.ps.shm.Bell`) until its worker
+        closes it, the region is detached or the shard stops: each request must be a
+        ``shm_push`` of this region and is answered as the gRPC call would be (a refusal as
+        a ``refused`` message with the gRPC status name). A request must arrive whole within
+        ``body_timeout`` of its first byte and its answer be read as fast; a channel that
+        breaks either rule, or the protocol, is closed (the worker then uses gRPC)."""
+        try:
+            while not self._stopped.is_set() and self._regions.get(rid) is region:
+                if not shm.bell_wait(rfd, 0.5):
+                    continue  # nothing to serve in 0.5 s: check whether still wanted
+                body = shm.bell_receive(rfd, time.monotonic() + self.body_timeout)
+                with self._regions_lock:
+                    self._bell_busy += 1
+                try:
+                    reply = self._bell_serve(rid, body)
+                finally:
+                    with self._regions_lock:
+                        self._bell_busy -= 1
+                del body
+                shm.bell_send(wfd, reply, time.monotonic() + self.body_timeout)
+        except shm.BellClosed:  # the worker closed its end (detached, or it died)
+            with self._regions_lock:
+                if self._regions.get(rid) is region:
+                    del self._regions[rid]
+        except shm.BellTimeout as exc:  # a body or a reply stuck: the channel is closed
+            self._throttle("shm_bell_stuck", logging.WARNING, f"parameter-server shard "
+                           f"{self.address}: closed a region's doorbell ({exc} within "
+                           f"body_timeout={self.body_timeout:g} s); that worker uses gRPC")
+        finally:
+            os.close(rfd)
+            os.close(wfd)
+            with self._regions_lock:
+                self._bells -= 1
+
+    def _bell_serve(self, rid: str, body: bytes) -> bytes:
+        """One doorbell request: the ``shm_push`` of region ``rid`` it must be, served as
+        :meth:`_serve_body` serves a gRPC call (refusals and failures as ``refused``)."""
+        failure: _Abort
+        try:
+            msg = self._decode(body)
+            if msg.op != "shm_push" or msg.fields.get("region") != rid or msg.entries:
+                raise _err(f"a doorbell carries only its own region's shm_push, got "
+                           f"{msg.op!r}")
+            return self._shm_push(msg)
+        except WireError as exc:
+            failure = _Abort(exc.status, str(exc))
+        except (ValueError, TypeError) as exc:
+            failure = _Abort("INVALID_ARGUMENT", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a shard must survive any single request
+            failure = self._internal(exc)
+        return wire.encode("refused", {"status": failure.status, "detail": failure.detail})
 
     def _purge_regions(self) -> None:
         """Forget the regions of workers that are gone (caller holds ``_regions_lock``): a

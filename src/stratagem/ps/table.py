@@ -22,7 +22,7 @@ import torch
 
 from stratagem.comm import bucketed
 from stratagem.compression import KINDS, check_compression
-from stratagem.errors import PeerTimeoutError, StratagemError
+from stratagem.errors import ParameterServerUnavailable, PeerTimeoutError, StratagemError
 from stratagem.ps import optim as ps_optim
 from stratagem.ps import shm, wire
 from stratagem.ps.addresses import is_on_this_host
@@ -391,7 +391,9 @@ class ShardedParameters:
             return PushFetch(outcomes, values, versions)
 
         after = [None if c is None else c.after for c in hooks] if any(hooks) else None
-        return self.client.submit(reqs, finish, after=after)
+        direct = ([None if c is None or c.region.bell is None else c.direct for c in hooks]
+                  if any(hooks) else None)
+        return self.client.submit(reqs, finish, after=after, direct=direct)
 
     # -- same-host shared memory ----------------------------------------------------------
 
@@ -434,7 +436,8 @@ class ShardedParameters:
             fields["fetch"] = list(fetch)
         self.client.account(sum(lay.grads[p.key].nbytes for p, _, _, _ in items),
                             sum(lay.values[k].nbytes for k in fetch or ()))
-        return _ShmCall(region, fields, list(fetch or ()), self.client.addresses[shard])
+        return _ShmCall(region, fields, list(fetch or ()), self.client.addresses[shard],
+                        self.client.limits)
 
     def _shm_attach(self, shard: int, items: Sequence[tuple[Part, torch.Tensor, torch.dtype, int]],
                     fetch: Sequence[str]) -> shm.WorkerRegion | None:
@@ -453,22 +456,38 @@ class ShardedParameters:
         except (OSError, AttributeError, ValueError) as exc:
             log.info("parameter-server shared memory unavailable (%s); using gRPC", exc)
             return None
+        bell: shm.Bell | None = None
+        if shm.bell_enabled():
+            try:
+                bell = shm.Bell(region.nonce)
+            except OSError as exc:
+                log.info("parameter-server doorbell unavailable (%s); steps use gRPC", exc)
+        fields: dict[str, Any] = {
+            "pid": os.getpid(), "fd": region.fd, "size": lay.size, "nonce": region.nonce.hex(),
+            "entries": [[k, wire.DTYPE_NAMES[d]] for k, d in declared.items()]}
+        if bell is not None:
+            fields["bell"] = bell.declare()
         try:
-            reply = self.client.call(shard, "shm_attach", {
-                "pid": os.getpid(), "fd": region.fd, "size": lay.size,
-                "nonce": region.nonce.hex(),
-                "entries": [[k, wire.DTYPE_NAMES[d]] for k, d in declared.items()]})
+            reply = self.client.call(shard, "shm_attach", fields)
             rid = reply.fields.get("region")
             if not isinstance(rid, str):
                 raise RemoteError("shm_attach answered no region id", code="DATA_LOSS",
                                   address=self.client.addresses[shard])
         except (StratagemError, ValueError) as exc:
             region.release()
+            if bell is not None:
+                bell.close()
             log.info("parameter-server shard %s did not map a shared-memory region (%s); "
                      "using gRPC", self.client.addresses[shard], exc)
             return None
         finally:
             region.close_fd()
+        if bell is not None:
+            if reply.fields.get("bell") is True:
+                bell.opened()
+                region.bell = bell
+            else:  # an older shard, or one that refused the pipes: gRPC carries the steps
+                bell.close()
         region.region_id = rid
         if not self._shm_regions:
             self.client.on_close(self._shm_close)
@@ -781,14 +800,46 @@ class _ShmCall:
     happens when the call is over (in the call thread: copy the fetched values out and free
     the region for the next call) and the reply turned into a push's reply."""
 
-    __slots__ = ("region", "fields", "fetch", "address", "values")
+    __slots__ = ("region", "fields", "fetch", "address", "values", "limits")
 
     def __init__(self, region: shm.WorkerRegion, fields: dict[str, Any], fetch: list[str],
-                 address: str) -> None:
+                 address: str, limits: wire.Limits) -> None:
         self.region, self.fields, self.fetch, self.address = region, fields, fetch, address
         self.values: dict[str, torch.Tensor] = {}
+        self.limits = limits
 
-    def after(self, reply: bytes | None, error: BaseException | None) -> None:
+    def direct(self, data: bytes, due: float) -> Message:
+        """The call through the region's doorbell (:class:`stratagem.ps.shm.Bell`), its
+        failures raised as the gRPC call's would be."""
+        bell = self.region.bell
+        where = f"parameter-server shard {self.address}"
+        try:
+            if bell is None:
+                raise shm.BellClosed("the doorbell is closed")
+            reply = bell.call(data, due)
+        except shm.BellTimeout:
+            raise ParameterServerUnavailable(
+                f"{where} did not answer 'shm_push' through its shared-memory doorbell in "
+                "time; check that the shard process is running, or raise timeout=",
+                address=self.address) from None
+        except shm.BellClosed as exc:
+            raise ParameterServerUnavailable(
+                f"{where} closed the shared-memory doorbell ({exc}): the shard stopped, or "
+                "dropped this worker's region; check the shard process", address=self.address
+            ) from None
+        try:
+            msg = wire.decode(reply, self.limits)
+        except wire.WireError as exc:
+            raise RemoteError(f"{where} sent a malformed reply to 'shm_push': {exc}",
+                              code="DATA_LOSS", address=self.address) from None
+        if msg.op == "refused":
+            status, detail = msg.fields.get("status"), msg.fields.get("detail")
+            raise RemoteError(f"{where} refused 'shm_push': {str(status)[:40]}: "
+                              f"{str(detail)[:2000]}", code=str(status)[:40],
+                              address=self.address)
+        return msg
+
+    def after(self, reply: bytes | Message | None, error: BaseException | None) -> None:
         try:
             if reply is not None:
                 self.values = {k: self.region.values[k].clone() for k in self.fetch}

@@ -39,7 +39,11 @@ _REACH_HINT = ("check that the shard process is running and reachable (STRATAGEM
 
 
 #: What :meth:`PSClient.submit` calls when a call is over: ``(reply, None)`` or ``(None, error)``.
-AfterCall = Callable[["bytes | None", "BaseException | None"], None]
+AfterCall = Callable[["bytes | Message | None", "BaseException | None"], None]
+#: A request's own channel instead of gRPC (:meth:`PSClient.submit`'s ``direct``): called
+#: with the encoded request and its deadline (``time.monotonic()``), returns the decoded
+#: reply or raises :class:`RemoteError` / ``ParameterServerUnavailable`` as a gRPC call would.
+DirectCall = Callable[[bytes, float], Message]
 
 #: Refusals a shard answers after reading the request and before acting on any of it.
 _REFUSED_REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -50,6 +54,8 @@ def refused_request(exc: BaseException | None) -> bool:
     """Whether ``exc`` is a shard's refusal of a request as malformed or over a limit: the
     shard answered, so the call is over and nothing of it is still running there (unlike a
     deadline or a lost connection, after which the shard may still be working on it)."""
+    if isinstance(exc, RemoteError):  # answered through a direct channel (a doorbell)
+        return exc.code in {c.name for c in _REFUSED_REQUEST}
     return isinstance(exc, grpc.RpcError) and exc.code() in _REFUSED_REQUEST
 
 
@@ -326,6 +332,19 @@ class PSClient:
         after(reply, None)
         return reply
 
+    def _direct_then(self, channel: DirectCall, data: bytes, due: float,
+                     after: AfterCall | None) -> Message:
+        """:meth:`_call_then` through the request's own channel."""
+        try:
+            reply = channel(data, due)
+        except BaseException as exc:
+            if after is not None:
+                after(None, exc)
+            raise
+        if after is not None:
+            after(reply, None)
+        return reply
+
     def account(self, sent: int, received: int) -> None:
         """Count bytes moved outside gRPC (a shared-memory region) as sent and received, so
         ``bytes_sent`` covers every byte a step moves between the worker and its shards."""
@@ -337,6 +356,9 @@ class PSClient:
             # The call itself ends at its deadline; the margin only guards against a call
             # thread that never ran it (it cannot, short of the process being torn down).
             data = fut.result(timeout=timeout + 30.0)
+            if isinstance(data, Message):  # a direct channel's reply, decoded there
+                self._account(0, data.nbytes, 0.0)
+                return data
         except concurrent.futures.TimeoutError:
             raise ParameterServerUnavailable(
                 f"parameter-server shard {addr} did not answer {op!r} within {timeout:g} s "
@@ -362,18 +384,23 @@ class PSClient:
 
     def submit(self, requests: Sequence[Request], finish: Callable[[list[Message]], T],
                *, timeout: float | None = None,
-               after: Sequence[AfterCall | None] | None = None
+               after: Sequence[AfterCall | None] | None = None,
+               direct: Sequence[DirectCall | None] | None = None
                ) -> PSFuture[T]:
         """Send all ``requests`` at once (concurrently); ``finish`` maps the replies.
 
         ``after`` (one per request, or None): called with the raw reply or the error, in the
-        thread that made the call, as soon as it is over (see :meth:`_call_then`)."""
+        thread that made the call, as soon as it is over (see :meth:`_call_then`).
+        ``direct`` (one per request, or None): a channel of the request's own that carries
+        it instead of gRPC (a same-host shard's doorbell, :class:`stratagem.ps.shm.Bell`)."""
         t0 = time.perf_counter()
         deadline = self.timeout if timeout is None else timeout
         calls = []
         sent = 0
         hooks = list(after) if after is not None else [None] * len(requests)
-        for (shard, op, fields, entries), hook in zip(requests, hooks, strict=True):
+        channels = list(direct) if direct is not None else [None] * len(requests)
+        for (shard, op, fields, entries), hook, channel in zip(requests, hooks, channels,
+                                                               strict=True):
             if len(entries) > self.limits.max_tensors:
                 raise ValueError(f"{op!r} to shard {self.addresses[shard]} holds {len(entries)} "
                                  f"tensors, above max_tensors={self.limits.max_tensors} per "
@@ -385,8 +412,12 @@ class PSClient:
                                  "use more shards or a partitioner to split big tensors")
             sent += len(data)
             due = time.monotonic() + deadline
-            fut = (self._threads.submit(self._call, shard, data, due) if hook is None else
-                   self._threads.submit(self._call_then, shard, data, due, hook))
+            if channel is not None:
+                fut = self._threads.submit(self._direct_then, channel, data, due, hook)
+            elif hook is None:
+                fut = self._threads.submit(self._call, shard, data, due)
+            else:
+                fut = self._threads.submit(self._call_then, shard, data, due, hook)
             del data
             calls.append((shard, op, fut, deadline))
         self._account(sent, 0, 0.0, len(calls))

@@ -127,10 +127,12 @@ class ParameterServer(Strategy):
       explicit value always wins; ``resolved_bucket_cap_mb`` tells which one applies. Results
       are unchanged either way (tested equal).
     - Shards on this machine are reached through shared memory when a step makes one
-      push-fetch call per shard (the ``"auto"`` default there): only a small gRPC message
-      per step, the tensors read and written in place by the shard
-      (:mod:`stratagem.ps.shm`; ``STRATAGEM_PS_SHM=0`` turns it off). Same results; any
-      shard where it cannot be set up is reached over gRPC as before.
+      push-fetch call per shard (the ``"auto"`` default there): the tensors are read and
+      written in place by the shard, and each step's small message goes through a pair of
+      pipes to a shard thread serving only that worker (a "doorbell": two thread wake-ups
+      per step instead of gRPC's ~8) (:mod:`stratagem.ps.shm`; ``STRATAGEM_PS_SHM=0`` turns
+      the path off, ``STRATAGEM_PS_BELL=0`` keeps the small message on gRPC). Same results;
+      any shard where it cannot be set up is reached over gRPC as before.
     - ``staleness_lr`` (async, bool, default False): the shards apply a gradient of
       staleness ``s`` with ``lr / max(1, s)`` (Zhang et al., "Staleness-aware Async-SGD for
       Distributed Deep Learning", IJCAI 2016).
