@@ -29,7 +29,7 @@ from _common import write_report
 import stratagem as sg
 from stratagem.demo import MLP, load_mnist5k
 
-#: row -> (registry name, environment for the job)
+#: row -> (registry name, environment of the workers)
 ROWS: dict[str, tuple[str, dict[str, str]]] = {
     "mirrored": ("mirrored", {}),
     "ps grpc": ("ps-async", {"STRATAGEM_PS_SHM": "0"}),
@@ -81,18 +81,10 @@ def worker(name: str, epochs: int) -> dict[str, Any]:
 
 
 def run_row(row: str, epochs: int) -> dict[str, Any]:
+    """One job of ``row`` (the switches are read by the workers: they decide the path)."""
     name, env = ROWS[row]
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        ranks = sg.launch(worker, nprocs=2, num_ps=1 if name.startswith("ps") else 0,
-                          args=(name, epochs))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    ranks = sg.launch(worker, nprocs=2, num_ps=1 if name.startswith("ps") else 0,
+                      args=(name, epochs), env=env)
     return {"row": row, **ranks[0]}
 
 

@@ -245,7 +245,7 @@ def test_stuck_or_stopped_shard_raises_within_the_deadline_then_grpc(
         assert time.monotonic() - t0 < 2.0
         assert table.shared_memory_shards == []  # that region is never used again
         monkeypatch.setattr(shard, "_shm_push", serve)
-        time.sleep(2.0)  # the slow push lands
+        _wait(lambda: shard._slots["w"].version == 2, "the slow push lands")
         got = table.push_fetch_async(_grads(params, 2), fetch=list(params)).result()
         assert got.versions["w"] == 3  # over gRPC: the slow push was applied, then this one
     # A shard that stops: the worker's next call ends at once, not at its deadline.

@@ -275,7 +275,7 @@ def open_region(pid: int, fd: int, lay: Layout, nonce: bytes) -> mmap.mmap:
 # Trust: the pipes are created by the worker and opened by the shard, once, through
 # ``/proc/<pid>/fd/<fd>`` in the authenticated ``shm_attach``, after the region itself passed
 # :func:`open_region` (so ``pid`` is the caller's process: it holds the sealed memfd with the
-# nonce the call declared; never the shard's own), and checked: FIFOs owned by the shard's
+# nonce the call declared, which only the process that made it knows), and checked: FIFOs owned by the shard's
 # uid, two different pipes, and the request pipe must begin with the region's nonce, which
 # only the caller wrote there. Every message after that is length-checked before
 # anything is allocated and decoded by ``wire`` (no pickle), and must be a ``shm_push`` of
@@ -412,9 +412,8 @@ def open_bell(pid: int, fds: object, nonce: bytes) -> tuple[int, int]:
             isinstance(f, int) and not isinstance(f, bool) and 0 <= f < 1 << 31 for f in fds)):
         raise RegionRefused(f"shm_attach: 'bell' must be two descriptor numbers, got "
                             f"{str(fds)[:60]}")
-    if not (isinstance(pid, int) and 0 < pid < 1 << 31) or pid == os.getpid():
-        raise RegionRefused(f"shm_attach: pid must be an integer in range, not the shard's "
-                            f"own, got {pid!r}")
+    if not (isinstance(pid, int) and 0 < pid < 1 << 31):
+        raise RegionRefused(f"shm_attach: pid must be an integer in range, got {pid!r}")
     opened: list[int] = []
     try:
         for fd, mode in zip(fds, (os.O_RDONLY, os.O_WRONLY), strict=True):
