@@ -1110,6 +1110,9 @@ class ShardServer:
             self._throttle("shm_bell_stuck", logging.WARNING, f"parameter-server shard "
                            f"{self.address}: closed a region's doorbell ({exc} within "
                            f"body_timeout={self.body_timeout:g} s); that worker uses gRPC")
+        except OSError as exc:  # the pipes failed otherwise: that worker falls back to gRPC
+            self._throttle("shm_bell_error", logging.WARNING, f"parameter-server shard "
+                           f"{self.address}: closed a region's doorbell: {exc}")
         finally:
             os.close(rfd)
             os.close(wfd)
