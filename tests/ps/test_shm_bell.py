@@ -261,3 +261,28 @@ def test_stuck_or_stopped_shard_raises_within_the_deadline_then_grpc(
         with pytest.raises((ParameterServerUnavailable, RemoteError)):
             table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
         assert time.monotonic() - t0 < 5.0
+
+
+def test_a_message_above_the_doorbells_bound_goes_over_grpc(
+        shard: ShardServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose small message outgrows the doorbell (a model of very many tensors) is
+    sent over gRPC as a shared-memory push; the region and its doorbell stay in use."""
+    with PSClient([shard.address], token=TOKEN, timeout=10) as client:
+        table, params = _good_table(client)
+        sent: list[int] = []
+        call = shm.Bell.call
+
+        def counting(self: shm.Bell, data: bytes, due: float) -> bytes:
+            sent.append(len(data))
+            return call(self, data, due)
+
+        monkeypatch.setattr(shm.Bell, "call", counting)
+        monkeypatch.setattr(shm, "BELL_MAX_BYTES", 16)
+        got = table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
+        assert got.versions["w"] == 2 and sent == []
+        monkeypatch.undo()
+        monkeypatch.setattr(shm.Bell, "call", counting)
+        got = table.push_fetch_async(_grads(params, 2), fetch=list(params)).result()
+        assert got.versions["w"] == 3 and len(sent) == 1
+        assert table.shared_memory_shards == [0]
+        assert client.health()[0]["shm_pushes"] == 3

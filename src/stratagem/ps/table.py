@@ -808,11 +808,14 @@ class _ShmCall:
         self.values: dict[str, torch.Tensor] = {}
         self.limits = limits
 
-    def direct(self, data: bytes, due: float) -> Message:
+    def direct(self, data: bytes, due: float) -> Message | None:
         """The call through the region's doorbell (:class:`stratagem.ps.shm.Bell`), its
-        failures raised as the gRPC call's would be."""
+        failures raised as the gRPC call's would be; None (gRPC takes it) for a message
+        above the doorbell's bound (a model of very many tensors)."""
         bell = self.region.bell
         where = f"parameter-server shard {self.address}"
+        if len(data) > shm.BELL_MAX_BYTES:
+            return None
         try:
             if bell is None:
                 raise shm.BellClosed("the doorbell is closed")

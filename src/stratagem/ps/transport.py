@@ -42,8 +42,9 @@ _REACH_HINT = ("check that the shard process is running and reachable (STRATAGEM
 AfterCall = Callable[["bytes | Message | None", "BaseException | None"], None]
 #: A request's own channel instead of gRPC (:meth:`PSClient.submit`'s ``direct``): called
 #: with the encoded request and its deadline (``time.monotonic()``), returns the decoded
-#: reply or raises :class:`RemoteError` / ``ParameterServerUnavailable`` as a gRPC call would.
-DirectCall = Callable[[bytes, float], Message]
+#: reply, or None when it does not take that request (it is then sent over gRPC), or raises
+#: :class:`RemoteError` / ``ParameterServerUnavailable`` as a gRPC call would.
+DirectCall = Callable[[bytes, float], "Message | None"]
 
 #: Refusals a shard answers after reading the request and before acting on any of it.
 _REFUSED_REQUEST = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -332,11 +333,14 @@ class PSClient:
         after(reply, None)
         return reply
 
-    def _direct_then(self, channel: DirectCall, data: bytes, due: float,
-                     after: AfterCall | None) -> Message:
-        """:meth:`_call_then` through the request's own channel."""
+    def _direct_then(self, channel: DirectCall, shard: int, data: bytes, due: float,
+                     after: AfterCall | None) -> Message | bytes:
+        """:meth:`_call_then` through the request's own channel (or gRPC, where the channel
+        does not take it)."""
         try:
-            reply = channel(data, due)
+            reply: Message | bytes | None = channel(data, due)
+            if reply is None:
+                reply = self._call(shard, data, due)
         except BaseException as exc:
             if after is not None:
                 after(None, exc)
@@ -413,7 +417,7 @@ class PSClient:
             sent += len(data)
             due = time.monotonic() + deadline
             if channel is not None:
-                fut = self._threads.submit(self._direct_then, channel, data, due, hook)
+                fut = self._threads.submit(self._direct_then, channel, shard, data, due, hook)
             elif hook is None:
                 fut = self._threads.submit(self._call, shard, data, due)
             else:
