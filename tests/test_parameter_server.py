@@ -710,3 +710,41 @@ def test_non_chief_without_a_chief_names_it_after_the_timeout(shards):
     message = run_ranks(job, 2)[1]
     assert "chief (replica 0) did not register" in message and "timeout=1 s" in message
     assert "raise timeout=" in message
+
+
+def test_error_feedback_residuals_resume_exactly(tmp_path):
+    """fp16 pushes with error feedback: a run saved after 4 steps and resumed on fresh
+    shards (another initialisation) ends bitwise where the uninterrupted run does; the
+    residuals are in the checkpoint, per worker, and come back."""
+    data = make_data()
+    kwargs = {"prefetch": False, "compression": "fp16", "error_feedback": True}
+
+    def run(steps: int, offset: int = 0, restore: bool = False, save: bool = False):
+        servers, addrs = start_local_shards(1)
+        try:
+            s = _ps(addrs, **kwargs)
+            m, o = _prepared(s, seed=5 if restore else 0)
+            if restore:
+                s.restore(tmp_path / "ef", model=m, optimizer=o)
+            _steps(s, m, o, data, steps, offset=offset)
+            if save:
+                s.save(tmp_path / "ef", model=m, optimizer=o)
+            residuals = {k: v.clone() for k, v in zip(*s._residuals(s._prepared[0].state["ps"]))}
+            s.finalize(m)
+            final = {k: v.detach().clone() for k, v in s.unwrap(m).state_dict().items()}
+            s.close()
+            return final, residuals
+        finally:
+            for srv in servers:
+                srv.stop(0)
+
+    whole, _ = run(8)
+    _, saved = run(4, save=True)
+    assert any(bool(r.abs().sum() > 0) for r in saved.values())  # fp16 lost something
+    from safetensors.torch import load_file
+    stored = {}
+    for f in (tmp_path / "ef").rglob("strategy.safetensors"):
+        stored.update(load_file(str(f)))
+    assert {k.split("/", 2)[-1] for k in stored if "ps_ef_residual.rank0/" in k} == set(saved)
+    resumed, _ = run(4, offset=4, restore=True)
+    assert_states_close(resumed, whole, atol=0, rtol=0)

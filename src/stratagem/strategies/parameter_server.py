@@ -31,7 +31,7 @@ from torch import nn
 
 from ..compression import COMPRESSIONS, ErrorFeedback
 from ..errors import PeerTimeoutError
-from ..parts.tensors import broadcast_buffers
+from ..parts.tensors import broadcast_buffers, gather_ranks, load_rank
 from ..ps import optim as ps_optim
 from ..ps.addresses import all_on_this_host, shard_addresses
 from ..ps.link import PSLink
@@ -94,6 +94,10 @@ class _PSState:
         self.bucket_bytes: int | None = None  # async push-fetch: bytes per call
 
 
+#: Checkpoint key prefix of the workers' error-feedback residuals (``ps_ef_residual.rank{r}/``).
+_EF_KEY = "ps_ef_residual"
+
+
 class ParameterServer(Strategy):
     """Parameters on parameter-server shards; workers push gradients and pull parameters.
 
@@ -111,7 +115,8 @@ class ParameterServer(Strategy):
       (:mod:`stratagem.ps.placement`): big tensors split along dim 0, small ones grouped.
     - ``compression`` (None, ``"fp16"``, ``"bf16"``): gradients are pushed in 16 bits (half
       the bytes); ``error_feedback=True`` keeps what the cast lost and adds it to the next push
-      (:mod:`stratagem.compression`). An fp16 overflow is never pushed: that push is skipped and
+      (:mod:`stratagem.compression`); each worker's residuals are in its checkpoints and come
+      back on a restore with as many workers (else they start at zero). An fp16 overflow is never pushed: that push is skipped and
       counted in ``nonfinite_pushes_skipped``.
     - ``prefetch`` (None, True, False; default None = ``False`` in async mode, ``True`` in
       sync mode): overlap the fetch with the next step's compute (see below).
@@ -706,6 +711,43 @@ class ParameterServer(Strategy):
             st.table.set_state(current)
         self.comm.barrier()  # nobody pulls before the chief wrote
         self._refresh(st)
+
+    def _residuals(self, st: _PSState) -> tuple[list[str], list[torch.Tensor]]:
+        """This worker's committed error-feedback residual per dense tensor it pushes (zeros
+        where there is none yet), by table key."""
+        assert self._feedback is not None
+        names = [k for k, p in st.by_key.items() if k not in st.sparse]
+        tensors = []
+        for k in names:
+            r = self._feedback.residual(k)
+            p = st.by_key[k]
+            tensors.append(r if r is not None and r.shape == p.shape else torch.zeros_like(p))
+        return names, tensors
+
+    def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        """With ``error_feedback``: every worker's residuals (what its compressed pushes have
+        not delivered yet), per rank, so a resume with as many workers continues exactly
+        (collective, as ``save`` is)."""
+        out = super()._strategy_state(prepared)
+        if self._feedback is not None:
+            st: _PSState = prepared.state["ps"]
+            self._install(st)
+            names, tensors = self._residuals(st)
+            out.update(gather_ranks(self.comm, names, tensors, _EF_KEY))
+        return out
+
+    def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
+        """Seed this worker's residuals from the checkpoint when it was written by as many
+        workers with ``error_feedback`` (else they start at zero, as before)."""
+        super()._load_strategy_state(prepared, state)
+        if self._feedback is None:
+            return
+        st: _PSState = prepared.state["ps"]
+        names = [k for k in st.by_key if k not in st.sparse]
+        fresh = [torch.zeros_like(st.by_key[k]) for k in names]
+        if load_rank(state, _EF_KEY, self.comm.rank, self.comm.world_size, names, fresh):
+            for k, t in zip(names, fresh, strict=True):
+                self._feedback.seed(k, t)
 
     def _refresh(self, st: _PSState) -> None:
         if not st.by_key:
