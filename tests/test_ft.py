@@ -266,10 +266,15 @@ def test_keep_global_batch_trains_on_a_missing_replicas_share():
     # loss is weighted so the mean over 3 replicas is the mean over 4 shares): the result is
     # the fault-free 4-replica run's up to float rounding. Without it, slot 3's samples are
     # lost and the model is another one.
+    # The three runs are compared with each other, so they start from one known model
+    # (same_init): each replica's own seeded init races with the other threads' seeding, and
+    # which replica's init the first quorum spreads differed run to run (fresh-clone round
+    # 2 of 3 saw 0.48 apart; 3 of 8 runs here).
     keep = lambda comm: sg.Mirrored(comm=comm, keep_global_batch=True)  # noqa: E731
-    full = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None))
-    kept = run_replicas(_train, 4, args=(keep, 8, None), absent=(3,))
-    lost = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None), absent=(3,))
+    full = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None, 32, True))
+    kept = run_replicas(_train, 4, args=(keep, 8, None, 32, True), absent=(3,))
+    lost = run_replicas(_train, 4, args=(STRATEGIES["mirrored"], 8, None, 32, True),
+                        absent=(3,))
     _assert_equal(full)
     _assert_equal(kept[:3])
     _assert_equal(lost[:3])
