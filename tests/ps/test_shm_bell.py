@@ -103,6 +103,7 @@ def test_hostile_doorbell_pipes_are_refused_and_the_region_stays(shard: ShardSer
         r3, w3 = os.pipe()
         os.write(w3, b"x" * shm.NONCE_BYTES)  # a pipe holding the wrong proof
         try:
+            os.write(w1, table._shm_regions[0].nonce)  # a proof there: the one-pipe check
             cases = [("not two descriptors", "3,4"), ("not two descriptors", [1, 2, 3]),
                      ("not two descriptors", [True, 1]), ("a file", [regular, w2]),
                      ("same pipe", [r1, w1]), ("empty pipe", [r1, w2]),
@@ -194,7 +195,7 @@ def test_hostile_doorbell_messages_are_refused_or_close_only_that_channel(
             os.write(raw.req, (100).to_bytes(4, "little") + b"{")
             t0 = time.monotonic()
             _wait(lambda: good.health()[0]["shm_bells"] == 1, "stalled body: channel closed")
-            assert time.monotonic() - t0 < 4.0
+            assert time.monotonic() - t0 < 6.0
             still_served()
         finally:
             raw.close()
@@ -242,7 +243,7 @@ def test_stuck_or_stopped_shard_raises_within_the_deadline_then_grpc(
         t0 = time.monotonic()
         with pytest.raises(ParameterServerUnavailable, match="doorbell"):
             table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 3.0
         assert table.shared_memory_shards == []  # that region is never used again
         monkeypatch.setattr(shard, "_shm_push", serve)
         _wait(lambda: shard._slots["w"].version == 2, "the slow push lands")
@@ -255,12 +256,12 @@ def test_stuck_or_stopped_shard_raises_within_the_deadline_then_grpc(
         table = ShardedParameters(client, params, optimizer_spec=ADAM, shared_memory=True)
         table.register()
         table.push_fetch_async(_grads(params, 0), fetch=list(params)).result()
-        s.stop(0)
-        time.sleep(0.8)  # its doorbell threads see the stop within 0.5 s and close
+        s.stop(0)  # at once: whether its doorbell thread is still polling or gone
         t0 = time.monotonic()
         with pytest.raises((ParameterServerUnavailable, RemoteError)):
             table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
         assert time.monotonic() - t0 < 5.0
+        assert s._slots["w"].version == 1  # a stopped shard applied nothing more
 
 
 def test_a_message_above_the_doorbells_bound_goes_over_grpc(
@@ -286,3 +287,62 @@ def test_a_message_above_the_doorbells_bound_goes_over_grpc(
         assert got.versions["w"] == 3 and len(sent) == 1
         assert table.shared_memory_shards == [0]
         assert client.health()[0]["shm_pushes"] == 3
+
+
+def test_detached_regions_leave_no_doorbell_thread_behind() -> None:
+    """A region detached while its doorbell waits for the rest of a body: the thread ends
+    within ~0.5 s, not at body_timeout (30 s here), so attach-stall-detach cannot pile up
+    threads and descriptors on the shard."""
+    with ShardServer("127.0.0.1", 0, token=TOKEN, body_timeout=30.0) as s, \
+            PSClient([s.address], token=TOKEN, timeout=10) as client:
+        _good_table(client)  # registers the tensors; its own doorbell stays
+        base = client.health()[0]["shm_bells"]
+        assert base == 1
+        raws = []
+        for _ in range(5):
+            raw = _RawBell(client)
+            os.write(raw.req, (100).to_bytes(4, "little") + b"{")  # a body that stops
+            client.call(0, "shm_detach", {"region": raw.rid})
+            raws.append(raw)
+        t0 = time.monotonic()
+        _wait(lambda: client.health()[0]["shm_bells"] == base, "threads of detached regions")
+        assert time.monotonic() - t0 < 5.0
+        for raw in raws:
+            raw.close()
+
+
+def test_a_forked_child_does_not_use_its_parents_region(shard: ShardServer) -> None:
+    with PSClient([shard.address], token=TOKEN, timeout=10) as client:
+        table, params = _good_table(client)
+        region = table._shm_regions[0]
+        region.pid = -1  # as a fork-started child sees it: not its own process
+        got = table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
+        assert got.versions["w"] == 2  # over gRPC
+        assert client.health()[0]["shm_pushes"] == 1  # only the first push used the region
+
+
+def test_closing_waits_for_a_doorbell_call_in_flight(shard: ShardServer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing the client during a doorbell call does not close the pipes under it (their
+    descriptors could be reused): the call finishes, then the doorbell is closed."""
+    import threading
+
+    client = PSClient([shard.address], token=TOKEN, timeout=10)
+    table, params = _good_table(client)
+    serve = shard._shm_push
+
+    def slow(msg: wire.Message) -> bytes:
+        time.sleep(1.0)
+        return serve(msg)
+
+    monkeypatch.setattr(shard, "_shm_push", slow)
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(
+        table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()))
+    t.start()
+    time.sleep(0.3)
+    region = table._shm_regions[0]
+    client.close()
+    t.join(10)
+    assert out and out[0].versions["w"] == 2  # type: ignore[attr-defined]
+    assert region.bell is None and region.dead

@@ -81,10 +81,6 @@ class Slot:
     #: path in :func:`apply_gradient` (the same single ``add_`` torch's SGD does, minus ~75 us of
     #: optimizer-framework overhead per call, a tenth of a push of 8 MB in 10 tensors).
     sgd_lr: float | None = None
-    #: The fused step's guard copies (value, then each state tensor), kept between steps
-    #: (:func:`_fused_step`): a copy into them costs half a fresh clone's allocation and
-    #: page faults, and the peak memory is the same (the clones existed during every step).
-    backup: list[torch.Tensor] | None = None
 
     def bump(self) -> None:
         """A new version: the sync accumulator starts again."""
@@ -294,7 +290,8 @@ def _fused_step(slots: Sequence[Slot], grads: Sequence[torch.Tensor], lr_scale: 
         param = slot.optimizer.param_groups[0]["params"][0]
         params.append(param)
         states.append(slot.optimizer.state[param])
-    saved = _save_for_rollback(slots, params, states)
+    saved = [(p.detach().clone(), {k: v.clone() for k, v in st.items()})
+             for p, st in zip(params, states, strict=True)]
     group = {k: v for k, v in first.param_groups[0].items() if k != "params"}
     group["lr"] = float(group["lr"]) * lr_scale
     group["foreach"], group["fused"] = True, None
@@ -312,43 +309,11 @@ def _fused_step(slots: Sequence[Slot], grads: Sequence[torch.Tensor], lr_scale: 
     if all_finite(after):
         return True
     with torch.no_grad():
-        _copy_all([t for p, st in zip(params, states, strict=True)
-                   for t in (p.detach(), *st.values())], saved)
+        for p, st, (value, state) in zip(params, states, saved, strict=True):
+            p.copy_(value)
+            for k, v in state.items():
+                st[k].copy_(v)
     return False
-
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for every pair, in one ``foreach`` call where torch has it."""
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None:
-        foreach_copy(dst, src)
-    else:  # pragma: no cover - torch < 2.1
-        for d, s in zip(dst, src, strict=True):
-            d.copy_(s)
-
-
-def _save_for_rollback(slots: Sequence[Slot], params: Sequence[torch.Tensor],
-                       states: Sequence[dict[str, Any]]) -> list[torch.Tensor]:
-    """Copies of every slot's value and state tensors (in that order, flattened), taken into
-    the buffers the slots keep (:attr:`Slot.backup`; made, or made again when the state's
-    tensors changed, from fresh clones). Caller holds every slot's lock."""
-    saved: list[torch.Tensor] = []
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    with torch.no_grad():
-        for slot, p, st in zip(slots, params, states, strict=True):
-            now = [p.detach(), *st.values()]
-            kept = slot.backup
-            if kept is None or len(kept) != len(now) or any(
-                    k.shape != t.shape or k.dtype != t.dtype for k, t in zip(kept, now)):
-                kept = slot.backup = [t.clone() for t in now]
-            else:
-                dst.extend(kept)
-                src.extend(now)
-            saved.extend(kept)
-        if dst:
-            _copy_all(dst, src)
-    return saved
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -321,7 +321,8 @@ class ShardServer:
         self._regions_lock = threading.Lock()
         self._shm_pushes = 0  # served through a region (health: the path is in use)
         self._bells = 0  # doorbell threads serving a region (shm.Bell), under _regions_lock
-        self._bell_busy = 0  # of them, serving a push now (under _regions_lock)
+        #: Pushes served by doorbell threads at once: at most as many as tensor threads.
+        self._bell_slots = threading.BoundedSemaphore(self._max_workers)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -670,7 +671,8 @@ class ShardServer:
         assert self._loop is not None and self._executor is not None
         failure: _Abort
         try:
-            if (self._busy == 0 and self._bell_busy == 0 and len(request) <= _INLINE_BYTES
+            # Never inline beside doorbell threads: they take tensor locks at any time.
+            if (self._busy == 0 and self._bells == 0 and len(request) <= _INLINE_BYTES
                     and _header_bytes(request) <= _INLINE_HEADER_BYTES):
                 # A small call: decode here; run it here too if it is small work (see
                 # _INLINE_BYTES). With no tensor thread busy no tensor lock is held, and none
@@ -1063,7 +1065,7 @@ class ShardServer:
         except shm.RegionRefused as exc:
             raise _err(str(exc), "PERMISSION_DENIED") from None
         bell: tuple[int, int] | None = None
-        if f.get("bell") is not None and shm.bell_enabled():
+        if f.get("bell") is not None and shm.bell_enabled() and self._bells < _MAX_REGIONS:
             try:
                 bell = shm.open_bell(pid, f.get("bell"), nonce)
             except shm.RegionRefused as exc:  # the region stands; its steps go over gRPC
@@ -1074,11 +1076,23 @@ class ShardServer:
         region_id = secrets.token_hex(16)
         with self._regions_lock:
             self._regions[region_id] = region
+            if bell is not None and self._bells >= _MAX_REGIONS:  # doorbells are bounded too
+                os.close(bell[0])
+                os.close(bell[1])
+                bell = None
             if bell is not None:
                 self._bells += 1
         if bell is not None:
-            threading.Thread(target=self._bell_loop, args=(region_id, region, *bell),
-                             name=f"stratagem-ps-bell-{region_id[:8]}", daemon=True).start()
+            try:
+                threading.Thread(target=self._bell_loop, args=(region_id, region, *bell),
+                                 name=f"stratagem-ps-bell-{region_id[:8]}",
+                                 daemon=True).start()
+            except BaseException:
+                os.close(bell[0])
+                os.close(bell[1])
+                with self._regions_lock:
+                    self._bells -= 1
+                bell = None
         return wire.encode("ok", {"region": region_id, "bell": bell is not None})
 
     def _bell_loop(self, rid: str, region: _Region, rfd: int, wfd: int) -> None:
@@ -1088,20 +1102,35 @@ class ShardServer:
         a ``refused`` message with the gRPC status name). A request must arrive whole within
         ``body_timeout`` of its first byte and its answer be read as fast; a channel that
         breaks either rule, or the protocol, is closed (the worker then uses gRPC)."""
+        def wanted() -> bool:
+            return not self._stopped.is_set() and self._regions.get(rid) is region
+
         try:
-            while not self._stopped.is_set() and self._regions.get(rid) is region:
+            while wanted():
                 if not shm.bell_wait(rfd, 0.5):
-                    continue  # nothing to serve in 0.5 s: check whether still wanted
-                body = shm.bell_receive(rfd, time.monotonic() + self.body_timeout)
-                with self._regions_lock:
-                    self._bell_busy += 1
-                try:
-                    reply = self._bell_serve(rid, body)
-                finally:
-                    with self._regions_lock:
-                        self._bell_busy -= 1
+                    try:  # nothing to serve in 0.5 s: is its worker still there?
+                        os.kill(region.pid, 0)
+                    except ProcessLookupError:
+                        raise shm.BellClosed("the worker is gone") from None
+                    except OSError:
+                        pass
+                    continue
+                if not wanted():  # stopped, or detached, while waiting: serve nothing more
+                    break
+                body = shm.bell_receive(rfd, time.monotonic() + self.body_timeout, wanted)
+                if not self._bell_slots.acquire(timeout=self.body_timeout):
+                    reply = wire.encode("refused", {
+                        "status": "UNAVAILABLE", "detail": f"shard {self.address} is busy: "
+                        f"{self._max_workers} pushes in progress for {self.body_timeout:g} s"})
+                else:
+                    try:
+                        reply = (self._bell_serve(rid, body) if wanted() else wire.encode(
+                            "refused", {"status": "UNAVAILABLE",
+                                        "detail": "the shard is stopping"}))
+                    finally:
+                        self._bell_slots.release()
                 del body
-                shm.bell_send(wfd, reply, time.monotonic() + self.body_timeout)
+                shm.bell_send(wfd, reply, time.monotonic() + self.body_timeout, wanted)
         except shm.BellClosed:  # the worker closed its end (detached, or it died)
             with self._regions_lock:
                 if self._regions.get(rid) is region:

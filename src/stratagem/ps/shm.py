@@ -42,7 +42,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +160,9 @@ class WorkerRegion:
         self.region_id: str | None = None
         self.lock = threading.Lock()
         self.dead = False
+        #: The process that made it: a forked child must not use it (it would share the
+        #: pipes, and the replies, with its parent).
+        self.pid = os.getpid()
         #: The doorbell each step's small message goes through, once the shard opened it.
         self.bell: Bell | None = None
         fd = os.memfd_create("stratagem-ps", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -183,13 +186,23 @@ class WorkerRegion:
         if fd is not None:
             os.close(fd)
 
+    def close_bell(self) -> None:
+        """Close the doorbell (caller holds :attr:`lock`, or no call can be running)."""
+        bell, self.bell = self.bell, None
+        if bell is not None:
+            bell.close()
+
     def release(self) -> None:
         """Drop the mapping (when nothing views it any more) and the descriptor."""
         self.dead = True
         self.close_fd()
-        bell, self.bell = self.bell, None
-        if bell is not None:
-            bell.close()
+        # Never close the doorbell under a call in flight (its descriptors could be reused
+        # by then): the call's own end does it (table._ShmCall.after) when this times out.
+        if self.lock.acquire(timeout=2.0):
+            try:
+                self.close_bell()
+            finally:
+                self.lock.release()
         self.grads, self.values = {}, {}
         self._mm = None  # unmapped by the garbage collector once no tensor views it
 
@@ -292,20 +305,27 @@ class BellClosed(OSError):
     protocol (a length above :data:`BELL_MAX_BYTES`)."""
 
 
-def _wait_fd(fd: int, events: int, due: float) -> None:
+def _wait_fd(fd: int, events: int, due: float,
+             alive: Callable[[], bool] | None = None) -> None:
+    """Wait until ``fd`` is ready for ``events`` or ``due`` passes (:class:`BellTimeout`);
+    with ``alive``, in slices of at most 0.5 s, each ended by asking it (False:
+    :class:`BellClosed`, the channel is no longer wanted)."""
     import select
     import time
 
-    left = due - time.monotonic()
-    if left <= 0:
-        raise BellTimeout("deadline passed")
     poller = select.poll()
     poller.register(fd, events)
-    if not poller.poll(max(1, math.ceil(left * 1000))):
-        raise BellTimeout("deadline passed")
+    while True:
+        left = due - time.monotonic()
+        if left <= 0:
+            raise BellTimeout("deadline passed")
+        if poller.poll(max(1, math.ceil(min(left, 0.5 if alive else left) * 1000))):
+            return
+        if alive is not None and not alive():
+            raise BellClosed("the channel is no longer wanted")
 
 
-def _read_exact(fd: int, n: int, due: float) -> bytes:
+def _read_exact(fd: int, n: int, due: float, alive: Callable[[], bool] | None = None) -> bytes:
     import select
 
     parts: list[bytes] = []
@@ -313,7 +333,7 @@ def _read_exact(fd: int, n: int, due: float) -> bytes:
         try:
             chunk = os.read(fd, n)
         except BlockingIOError:
-            _wait_fd(fd, select.POLLIN, due)
+            _wait_fd(fd, select.POLLIN, due, alive)
             continue
         if not chunk:
             raise BellClosed("the other end is closed")
@@ -322,22 +342,26 @@ def _read_exact(fd: int, n: int, due: float) -> bytes:
     return b"".join(parts)
 
 
-def bell_send(fd: int, data: bytes, due: float) -> None:
+def bell_send(fd: int, data: bytes, due: float,
+              alive: Callable[[], bool] | None = None) -> None:
     """Write ``data`` with its 4-byte length to the pipe ``fd`` (non-blocking) by ``due``
-    (``time.monotonic()``); :class:`BellTimeout` or :class:`BellClosed` otherwise."""
+    (``time.monotonic()``); :class:`BellTimeout` or :class:`BellClosed` otherwise (also for a
+    message above :data:`BELL_MAX_BYTES`, which the other side would refuse)."""
     import select
 
     if len(data) > BELL_MAX_BYTES:
-        raise ValueError(f"a doorbell message holds at most {BELL_MAX_BYTES} bytes, got "
+        raise BellClosed(f"a doorbell message holds at most {BELL_MAX_BYTES} bytes, got "
                          f"{len(data)}")
     view = memoryview(len(data).to_bytes(4, "little") + data)
     while view:
         try:
             view = view[os.write(fd, view):]
         except BlockingIOError:
-            _wait_fd(fd, select.POLLOUT, due)
-        except BrokenPipeError:
+            _wait_fd(fd, select.POLLOUT, due, alive)
+        except (BrokenPipeError, ConnectionResetError):
             raise BellClosed("the other end is closed") from None
+        except OSError as exc:  # e.g. closed under a call by the owner: the channel is gone
+            raise BellClosed(f"the doorbell failed: {exc.strerror}") from None
 
 
 def bell_wait(fd: int, seconds: float) -> bool:
@@ -349,14 +373,19 @@ def bell_wait(fd: int, seconds: float) -> bool:
     return bool(poller.poll(max(0, math.ceil(seconds * 1000))))
 
 
-def bell_receive(fd: int, due: float) -> bytes:
+def bell_receive(fd: int, due: float, alive: Callable[[], bool] | None = None) -> bytes:
     """One length-prefixed message from the pipe ``fd``, whole by ``due``
     (``time.monotonic()``); its length is checked against :data:`BELL_MAX_BYTES` before the
-    body is read."""
-    n = int.from_bytes(_read_exact(fd, 4, due), "little")
-    if n > BELL_MAX_BYTES:
-        raise BellClosed(f"a message of {n} bytes announced, above {BELL_MAX_BYTES}")
-    return _read_exact(fd, n, due)
+    body is read. ``alive``: see :func:`_wait_fd`."""
+    try:
+        n = int.from_bytes(_read_exact(fd, 4, due, alive), "little")
+        if n > BELL_MAX_BYTES:
+            raise BellClosed(f"a message of {n} bytes announced, above {BELL_MAX_BYTES}")
+        return _read_exact(fd, n, due, alive)
+    except (BellClosed, BellTimeout):
+        raise
+    except OSError as exc:  # e.g. closed under a call by the owner: the channel is gone
+        raise BellClosed(f"the doorbell failed: {exc.strerror}") from None
 
 
 class Bell:

@@ -414,6 +414,8 @@ class ShardedParameters:
             if region is None:
                 return None
         lay = region.layout
+        if region.pid != os.getpid():  # a forked child: its parent's region, not its own
+            return None
         if region.dead or any(p.key not in lay.grads or lay.grads[p.key].dtype != dtype
                               for p, _, dtype, _ in items) or any(
                 k not in lay.values for k in fetch or ()):
@@ -480,6 +482,11 @@ class ShardedParameters:
             log.info("parameter-server shard %s did not map a shared-memory region (%s); "
                      "using gRPC", self.client.addresses[shard], exc)
             return None
+        except BaseException:
+            region.release()
+            if bell is not None:
+                bell.close()
+            raise
         finally:
             region.close_fd()
         if bell is not None:
@@ -498,6 +505,10 @@ class ShardedParameters:
         """Detach the regions (best effort, briefly: a dead shard must not hold up closing)
         and drop the mappings."""
         regions, self._shm_regions = self._shm_regions, {}
+        # A call in flight finishes first (briefly): detaching under it would fail it.
+        held = {s: r.lock.acquire(timeout=2.0) for s, r in regions.items()}
+        for r in regions.values():
+            r.dead = True  # no new call takes it
         reqs: list[Request] = [(s, "shm_detach", {"region": r.region_id}, ())
                                for s, r in sorted(regions.items())]
         try:
@@ -506,7 +517,9 @@ class ShardedParameters:
         except StratagemError:
             pass
         finally:
-            for r in regions.values():
+            for s, r in regions.items():
+                if held[s]:
+                    r.lock.release()
                 r.release()
 
     @property
@@ -851,6 +864,8 @@ class _ShmCall:
                 # FAILED_PRECONDITION says the shard lost the region: never use it again.
                 self.region.dead = True
         finally:
+            if self.region.dead:  # retired (or released meanwhile): its doorbell too
+                self.region.close_bell()
             self.region.lock.release()
 
     def message(self, m: Message) -> Message:
