@@ -669,7 +669,6 @@ class ShardServer:
     async def _serve_body(self, request: bytes | bytearray, context: grpc.aio.ServicerContext
                           ) -> bytes | _Abort:
         assert self._loop is not None and self._executor is not None
-        failure: _Abort
         try:
             # Never inline beside doorbell threads: they take tensor locks at any time.
             if (self._busy == 0 and self._bells == 0 and len(request) <= _INLINE_BYTES
@@ -691,18 +690,20 @@ class ShardServer:
             if isinstance(out, Message):
                 return await self._wait_version(out, context)
             return out
-        except WireError as exc:
-            failure = _Abort(exc.status, str(exc))
-        except (ValueError, TypeError) as exc:
-            failure = _Abort("INVALID_ARGUMENT", str(exc))
-        except RuntimeError as exc:
-            if self._stopped.is_set():  # the executor is shut down: we are stopping
-                failure = _Abort("UNAVAILABLE", "the shard is stopping")
-            else:
-                failure = self._internal(exc)
         except Exception as exc:  # noqa: BLE001 - a shard must survive any single request
-            failure = self._internal(exc)
-        return failure
+            return self._refusal(exc)
+
+    def _refusal(self, exc: Exception) -> _Abort:
+        """What a request that raised ``exc`` is answered (gRPC call or doorbell): a
+        refusal's own status, INVALID_ARGUMENT for a bad value, UNAVAILABLE while stopping
+        (the executor is shut down), else INTERNAL (logged)."""
+        if isinstance(exc, WireError):
+            return _Abort(exc.status, str(exc))
+        if isinstance(exc, (ValueError, TypeError)):
+            return _Abort("INVALID_ARGUMENT", str(exc))
+        if isinstance(exc, RuntimeError) and self._stopped.is_set():
+            return _Abort("UNAVAILABLE", "the shard is stopping")
+        return self._internal(exc)
 
     def _trim_soon(self) -> None:
         """Trim the heap once the burst of big requests is over (loop thread only): 0.2 s
@@ -1151,19 +1152,14 @@ class ShardServer:
     def _bell_serve(self, rid: str, body: bytes) -> bytes:
         """One doorbell request: the ``shm_push`` of region ``rid`` it must be, served as
         :meth:`_serve_body` serves a gRPC call (refusals and failures as ``refused``)."""
-        failure: _Abort
         try:
             msg = self._decode(body)
             if msg.op != "shm_push" or msg.fields.get("region") != rid or msg.entries:
                 raise _err(f"a doorbell carries only its own region's shm_push, got "
                            f"{msg.op!r}")
             return self._shm_push(msg)
-        except WireError as exc:
-            failure = _Abort(exc.status, str(exc))
-        except (ValueError, TypeError) as exc:
-            failure = _Abort("INVALID_ARGUMENT", str(exc))
         except Exception as exc:  # noqa: BLE001 - a shard must survive any single request
-            failure = self._internal(exc)
+            failure = self._refusal(exc)
         return wire.encode("refused", {"status": failure.status, "detail": failure.detail})
 
     def _purge_regions(self) -> None:

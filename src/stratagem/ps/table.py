@@ -475,18 +475,15 @@ class ShardedParameters:
             if not isinstance(rid, str):
                 raise RemoteError("shm_attach answered no region id", code="DATA_LOSS",
                                   address=self.client.addresses[shard])
-        except (StratagemError, ValueError) as exc:
+        except BaseException as exc:
             region.release()
             if bell is not None:
                 bell.close()
+            if not isinstance(exc, (StratagemError, ValueError)):
+                raise
             log.info("parameter-server shard %s did not map a shared-memory region (%s); "
                      "using gRPC", self.client.addresses[shard], exc)
             return None
-        except BaseException:
-            region.release()
-            if bell is not None:
-                bell.close()
-            raise
         finally:
             region.close_fd()
         if bell is not None:
