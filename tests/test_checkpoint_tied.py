@@ -275,9 +275,9 @@ def test_strategy_state_naming_one_tensor_twice_keeps_both_names(tmp_path: Path,
     s = sg.OneDevice()
     model = s.prepare(TiedLM())
     shared = torch.arange(4.0)
-    monkeypatch.setattr(s, "_strategy_state", lambda prepared: {"a": shared, "b": shared})
+    monkeypatch.setattr(s, "strategy_state", lambda model: {"a": shared, "b": shared})
     seen: dict[str, torch.Tensor] = {}
-    monkeypatch.setattr(s, "_load_strategy_state", lambda prepared, state: seen.update(state))
+    monkeypatch.setattr(s, "load_strategy_state", lambda model, state: seen.update(state))
     s.save(tmp_path / "ck", model=model)
     s.restore(tmp_path / "ck", model=model)
     assert sorted(seen) == ["a", "b"]

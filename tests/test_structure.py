@@ -271,13 +271,15 @@ def test_private_use_detection(monkeypatch, tmp_path, source, expected):
 
 
 def _private_members_of_strategy() -> set[str]:
-    """The ``_private`` methods and attributes of ``Strategy``, ``StrategyOptimizer`` and
-    ``Prepared`` (read from strategy.py: defs and ``self._x = ...`` assignments)."""
-    tree = ast.parse(MODULES["stratagem.strategy"].read_text())
+    """The ``_private`` methods and attributes of ``Strategy``, ``StrategyOptimizer``,
+    ``Prepared`` and ``StepControl`` (read from strategy.py, prepared.py and step.py: defs and
+    ``self._x = ...`` assignments)."""
     names: set[str] = set()
-    for cls in tree.body:
+    classes = [cls for module in ("stratagem.strategy", "stratagem.prepared", "stratagem.step")
+               for cls in ast.parse(MODULES[module].read_text()).body]
+    for cls in classes:
         if not (isinstance(cls, ast.ClassDef)
-                and cls.name in ("Strategy", "StrategyOptimizer", "Prepared")):
+                and cls.name in ("Strategy", "StrategyOptimizer", "Prepared", "StepControl")):
             continue
         for node in ast.walk(cls):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -295,7 +297,7 @@ def test_features_use_only_the_public_state_protocol():
     """checkpoint, fit and preemption reach a strategy (or its optimizer) only through public
     members: no ``strategy._steps``, ``optimizer._strategy``, ``strategy._find_prepared``."""
     private = _private_members_of_strategy()
-    assert {"_steps", "_find_prepared", "_checkpoint_model", "_strategy"} <= private
+    assert {"_step", "_find_prepared", "_consensus", "_strategy", "_unscale"} <= private
     found = []
     for module, path in MODULES.items():
         if not module.startswith(("stratagem.checkpoint", "stratagem.fit",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..comm import Comm
-from .base import Part
+from .base import Capability, Part
 from .tensors import (
     average_committed_,
     gather_ranks,
@@ -34,6 +34,8 @@ class ParameterAveraging(Part):
 
     name = "averaging"
     replicated = False
+    provides = frozenset({Capability.SYNCHRONOUS_STEP, Capability.TRANSACTIONS,
+                          Capability.LOCAL_OPTIMIZER_STATE, Capability.OUTER})
 
     def __init__(self, comm: Comm, *, period: int, warmup_steps: int = 0) -> None:
         super().__init__(comm)

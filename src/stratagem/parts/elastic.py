@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..comm import Comm, flatten, views
-from .base import Part
+from .base import Capability, Part
 from .tensors import dtype_groups, gather_ranks, load_rank, synced_tensors
 
 if TYPE_CHECKING:
     from ..strategy import Prepared
 
-__all__ = ["ElasticExchange", "center_state", "elastic_exchange_", "load_center", "make_center"]
+__all__ = ["ElasticExchange", "center_state", "default_moving_rate", "elastic_exchange_", "load_center",
+           "make_center"]
 
 
 def make_center(tensors: Sequence[torch.Tensor], groups: list[list[int]]
@@ -92,6 +93,18 @@ class _ElasticPartState:
         self.exchanged_at = 0
 
 
+def default_moving_rate(beta: float, period: int, workers: int) -> float:
+    """``beta / (period * workers)``, the paper's ``beta = p * alpha`` spread over a round;
+    ``ValueError`` when above 1."""
+    rate = beta / (period * workers)
+    if rate > 1.0:
+        raise ValueError(
+            f"the default moving_rate = beta / (period * num_workers) = {beta:g} / "
+            f"({period} * {workers}) = {rate:g} is above 1. Fix: lower beta, or "
+            "pass moving_rate in (0, 1]")
+    return rate
+
+
 class ElasticExchange(Part):
     """EASGD's synchronous elastic exchange over ``comm`` every ``period`` local steps (see
     the module docstring), parameters and (``average_buffers``) floating-point buffers. The
@@ -100,11 +113,15 @@ class ElasticExchange(Part):
 
     name = "elastic_exchange"
     replicated = False
+    provides = frozenset({Capability.SYNCHRONOUS_STEP, Capability.TRANSACTIONS,
+                          Capability.LOCAL_OPTIMIZER_STATE, Capability.OUTER})
 
-    def __init__(self, comm: Comm, *, period: int, moving_rate: float,
-                 average_buffers: bool = True) -> None:
+    def __init__(self, comm: Comm, *, period: int, moving_rate: float | None,
+                 beta: float = 0.9, average_buffers: bool = True) -> None:
         super().__init__(comm)
         self.period = period
+        if moving_rate is None:  # the paper's default over this Comm's workers
+            moving_rate = default_moving_rate(beta, period, comm.world_size)
         self.moving_rate = moving_rate
         self.average_buffers = average_buffers
         self.exchanges = 0

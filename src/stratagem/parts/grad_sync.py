@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..comm import Comm
 from ..compression import ErrorFeedback, compress
-from .base import Part
+from .base import Capability, Part
 from .tensors import broadcast_buffers, gather_ranks, load_rank
 
 if TYPE_CHECKING:
@@ -211,6 +211,8 @@ class GradientSync(Part):
     """
 
     name = "gradient_sync"
+    provides = frozenset({Capability.SYNCHRONOUS_STEP, Capability.TRANSACTIONS,
+                          Capability.KEEPS_GLOBAL_BATCH, Capability.INNER})
 
     def __init__(self, comm: Comm, *, bucket_cap_mb: float = 25,
                  compression: "str | None" = None, error_feedback: bool = False,

@@ -38,7 +38,7 @@ from ..comm import Comm, flatten, views
 from ..compression import OUTER_KINDS, QUANTIZED_KINDS, check_compression, wire_dtype
 from ..quantize import DEFAULT_BLOCK, check_block
 from ..sparsify import TopK, is_topk, parse_topk
-from .base import Part
+from .base import Capability, Part
 from .tensors import (
     average_committed_,
     dtype_groups,
@@ -160,6 +160,8 @@ class OuterStep(Part):
 
     name = "outer_step"
     replicated = False
+    provides = frozenset({Capability.SYNCHRONOUS_STEP, Capability.TRANSACTIONS,
+                          Capability.LOCAL_OPTIMIZER_STATE, Capability.OUTER})
 
     def __init__(self, comm: Comm, *, period: int, outer_optimizer: OuterOptimizerFactory,
                  fragments: int = 1, compression: str | None = None, sync_delay: int = 0,

@@ -21,8 +21,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..comm import Comm
-from ..parts import Part
+from ..parts import NodePlan, Plan
 from ..registry import from_name
 from ..strategy import Strategy
 from ..validation import check_int
@@ -51,7 +50,7 @@ def _build(spec: Strategy | str, role: str, args: dict[str, Any]) -> Strategy:
         raise TypeError(f"{role} must be a Strategy or a strategy name, got "
                         f"{type(spec).__name__}. Fix: e.g. {role}=sg.Mirrored() or "
                         f"{role}='mirrored'")
-    if role not in strategy._hierarchy_roles:
+    if role not in strategy.layer_plan().roles:
         allowed = ("OneDevice, Mirrored, Sharded" if role == "inner"
                    else "DiLoCo, LocalSGD, ElasticAveraging(mode='sync')")
         raise ValueError(f"{type(strategy).__name__} cannot be Hierarchical's {role} strategy; "
@@ -89,12 +88,6 @@ class Hierarchical(Strategy):
     """
 
     name = "hierarchical"
-    _synchronous_step = True
-    # Fault tolerant (issue 22): a node is one torchft replica group, synchronous inside
-    # (the inner strategy over the group's own Comm), fault tolerant across (the outer
-    # strategy over the quorum of groups). See FaultTolerantComm.node_groups.
-    _fault_tolerance = True
-    _replica_groups = True
     #: Keys with these prefixes go to the strategy named by ``inner`` / ``outer``: what
     #: ``sg.from_name`` checks them against (stratagem._argnames).
     _argument_prefixes = _PREFIXES
@@ -116,42 +109,14 @@ class Hierarchical(Strategy):
         self.inner = _build(inner, "inner", routed["inner"])
         self.outer = _build(outer, "outer", routed["outer"])
         self.local_world_size = local_world_size
-        self._local_optimizer_state = self.outer._local_optimizer_state
-        self._intra: Comm | None = None
-        self._inter: Comm | None = None
         super().__init__(**common)
 
-    def _build_parts(self, comm: Comm) -> list[Part]:
-        groups = comm.node_groups(self.local_world_size)
-        if not self.inner._replicates_model:
-            across: Comm = groups.inter  # each shard meets its peers on the other nodes
-        elif groups.local_world_size == 1:
-            across = groups.inter
-        else:
-            across = groups.relay()
-        inner_parts = self.inner._hierarchy_parts(groups.intra)
-        if not inner_parts and groups.local_world_size > 1:
-            raise ValueError(
-                f"inner={type(self.inner).__name__} synchronises nothing inside a node, but "
-                f"each node runs {groups.local_world_size} processes (local_world_size), whose "
-                "models would drift apart. Fix: inner=sg.Mirrored(), or one process per node")
-        self._intra, self._inter = groups.intra, groups.inter
-        return [*inner_parts, *self.outer._hierarchy_parts(across)]
-
-    def _extra_metrics(self) -> dict[str, Any]:
-        out = super()._extra_metrics()
-        if self._intra is not None and self._inter is not None:
-            out["intra_node_bytes_sent"] = self._intra.bytes_sent
-            out["inter_node_bytes_sent"] = self._inter.bytes_sent
-            out["intra_node_bytes_received"] = self._intra.bytes_received
-            out["inter_node_bytes_received"] = self._inter.bytes_received
-            # Every byte this process moved, on whichever group it moved.
-            out["bytes_sent"] = (self.comm.bytes_sent + self._intra.bytes_sent
-                                 + self._inter.bytes_sent)
-            out["bytes_received"] = (self.comm.bytes_received + self._intra.bytes_received
-                                     + self._inter.bytes_received)
-            out["comm_seconds"] = self.comm.seconds + self._intra.seconds + self._inter.seconds
-        return out
+    def plan(self) -> Plan:
+        """The inner strategy's parts on each node's Comm, the outer strategy's across nodes
+        (under fault tolerance: a node is one replica group)."""
+        return NodePlan(self.inner.layer_plan(), self.outer.layer_plan(),
+                        local_world_size=self.local_world_size,
+                        inner_name=f"inner={type(self.inner).__name__}")
 
     def __repr__(self) -> str:
         return (f"Hierarchical(inner={type(self.inner).__name__}, outer="

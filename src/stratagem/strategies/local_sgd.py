@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from ..comm import Comm
 from ..compression import OUTER_KINDS, check_compression
-from ..parts import OuterStep, ParameterAveraging, Part
+from ..parts import OuterStep, ParameterAveraging, Plan
 from ..parts.outer import OuterOptimizerFactory
 from ..strategy import Strategy
 from ..validation import check_int, check_number
@@ -77,10 +76,6 @@ class LocalSGD(Strategy):
     """
 
     name = "local_sgd"
-    _hierarchy_roles = ("outer",)
-    _synchronous_step = True
-    _fault_tolerance = True
-    _local_optimizer_state = True
 
     def __init__(self, *, period: int = 8, warmup_steps: int = 0,
                  compression: str | None = None, **common: Any) -> None:
@@ -98,13 +93,14 @@ class LocalSGD(Strategy):
                              "Fix: pass warmup_steps=0, or compression=None")
         super().__init__(**common)
 
-    def _build_parts(self, comm: Comm) -> list[Part]:
+    def plan(self) -> Plan:
         if self.compression is None:
-            return [ParameterAveraging(comm, period=self.period, warmup_steps=self.warmup_steps)]
+            return Plan(ParameterAveraging.spec(period=self.period,
+                                                warmup_steps=self.warmup_steps))
         # The average as an outer SGD step of lr 1 on the change since the last average (see
         # the class docstring): theta_last - 1 * mean_i(theta_last - theta_i).
-        return [OuterStep(comm, period=self.period, compression=self.compression,
-                          outer_optimizer=_average_as_outer_step)]
+        return Plan(OuterStep.spec(period=self.period, compression=self.compression,
+                                   outer_optimizer=_average_as_outer_step))
 
 
 def _average_as_outer_step(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -156,10 +152,6 @@ class DiLoCo(Strategy):
     """
 
     name = "diloco"
-    _hierarchy_roles = ("outer",)
-    _synchronous_step = True
-    _fault_tolerance = True
-    _local_optimizer_state = True
 
     def __init__(self, *, period: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  outer_optimizer: OuterOptimizerFactory | None = None, fragments: int = 1,
@@ -205,23 +197,24 @@ class DiLoCo(Strategy):
         self.alpha = check_number("alpha", alpha, low=0.0, high=1.0, high_open=True,
                                   fix="pass 0 (take the outer parameters) or e.g. 0.5 (the "
                                       "Streaming DiLoCo paper's mix)")
-        super().__init__(**common)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.outer_optimizer = outer_optimizer
         self.compression = compression
+        super().__init__(**common)
 
     @property
     def pseudo_grad_dtype(self) -> str | None:
         """Deprecated name of :attr:`compression`."""
         return self.compression
 
-    def _default_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    def default_outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """SGD with ``outer_lr`` and Nesterov ``outer_momentum`` (plain SGD at 0)."""
         mu = self.outer_momentum
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=mu, nesterov=mu > 0)
 
-    def _build_parts(self, comm: Comm) -> list[Part]:
-        factory = self.outer_optimizer or self._default_outer_optimizer
-        return [OuterStep(comm, period=self.period, outer_optimizer=factory,
-                          fragments=self.fragments, compression=self.compression,
-                          sync_delay=self.sync_delay, alpha=self.alpha)]
+    def plan(self) -> Plan:
+        factory = self.outer_optimizer or self.default_outer_optimizer
+        return Plan(OuterStep.spec(period=self.period, outer_optimizer=factory,
+                                   fragments=self.fragments, compression=self.compression,
+                                   sync_delay=self.sync_delay, alpha=self.alpha))

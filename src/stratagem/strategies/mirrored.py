@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..comm import Comm
 from ..compression import check_compression
-from ..parts import GradientSync, Part
+from ..parts import GradientSync, Plan
 from ..strategy import Strategy
 from ..validation import check_number
 
@@ -36,10 +35,6 @@ class Mirrored(Strategy):
     """
 
     name = "mirrored"
-    _hierarchy_roles = ("inner",)
-    _synchronous_step = True
-    _fault_tolerance = True
-    _keeps_global_batch = True
 
     def __init__(self, *, bucket_cap_mb: float = 25, compression: str | None = None,
                  error_feedback: bool = False, find_unused_parameters: bool = False,
@@ -51,17 +46,18 @@ class Mirrored(Strategy):
                              "error_feedback")
         check_number("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True,
                      fix="pass DDP's bucket size in MiB, e.g. 25")
-        super().__init__(**kwargs)
         self.bucket_cap_mb = bucket_cap_mb
         self.compression = compression
         self.error_feedback = bool(error_feedback)
         self.find_unused_parameters = find_unused_parameters
+        super().__init__(**kwargs)
 
-    def _build_parts(self, comm: Comm) -> list[Part]:
+    def plan(self) -> Plan:
         # init_sync=False: prepare has checked the replicas and broadcast rank 0's parameters
-        # and buffers (Strategy._initial_sync) over the whole job before wrapping, so DDP's
-        # constructor would only broadcast the same model a second time.
-        return [GradientSync(comm, bucket_cap_mb=self.bucket_cap_mb,
-                             compression=self.compression, error_feedback=self.error_feedback,
-                             find_unused_parameters=self.find_unused_parameters,
-                             init_sync=False)]
+        # and buffers over the whole job before wrapping, so DDP's constructor would only
+        # broadcast the same model a second time.
+        return Plan(GradientSync.spec(bucket_cap_mb=self.bucket_cap_mb,
+                                      compression=self.compression,
+                                      error_feedback=self.error_feedback,
+                                      find_unused_parameters=self.find_unused_parameters,
+                                      init_sync=False))

@@ -22,7 +22,6 @@ class OneDevice(Strategy):
     train alone as the chief of a world of one."""
 
     name = "one_device"
-    _hierarchy_roles = ("inner",)
 
     def __init__(self, device: torch.device | str | None = None, **kwargs: Any) -> None:
         if "comm" not in kwargs:

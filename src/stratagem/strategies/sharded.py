@@ -38,10 +38,9 @@ from torch.distributed.device_mesh import DeviceMesh
 # them: importing them costs ~0.9 s (see parts.tensors.dtensor_class), and this module is
 # also imported for its helpers (row_range, release_host_memory) without any sharding.
 from ..comm import Comm
-from ..parts import Part
+from ..parts import Capability, Part, Plan
 from ..parts.grad_sync import check_sync_batchnorm
 from ..parts.tensors import broadcast_buffers, is_dtensor
-from ..precision import Precision
 from ..strategy import Prepared, Strategy
 
 __all__ = ["Sharded", "FSDPSharding", "ShardModules", "row_range", "release_host_memory",
@@ -205,6 +204,8 @@ class FSDPSharding(Part):
     processes) and synchronise otherwise across nodes."""
 
     name = "fsdp"
+    provides = frozenset({Capability.SYNCHRONOUS_STEP, Capability.SHARDS_MODEL,
+                          Capability.MATERIALIZES_META, Capability.INNER})
     #: Each process holds its rows, not the whole consensus module.
     replicated = False
 
@@ -212,8 +213,13 @@ class FSDPSharding(Part):
                  shard_modules: ShardModules = None, cpu_offload: bool = False,
                  param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None,
-                 release_host_memory: bool = True) -> None:
+                 release_host_memory: bool = True, standalone: bool = False) -> None:
         super().__init__(comm)
+        #: True when this part is the whole strategy (``Sharded``): checkpoints then hold the
+        #: shards, ``eval_model`` gathers them into a plain copy and a full optimizer state
+        #: is sharded like its parameters. Inside ``Hierarchical`` the outer layer's
+        #: consensus is kept instead.
+        self.standalone = standalone
         self.device = device
         self.release_host_memory = release_host_memory
         self.reshard_after_forward = reshard_after_forward
@@ -283,6 +289,45 @@ class FSDPSharding(Part):
             else:
                 out[name] = value
         return out
+
+    def saved_model(self, prepared: Prepared) -> dict[str, torch.Tensor] | None:
+        """Standalone: the module's state as FSDP2 holds it, DTensor shards (not the
+        gathered consensus): a sharded checkpoint writes each replica's rows, ``save(...,
+        consolidate=True)`` gathers them."""
+        if not self.standalone:
+            return None
+        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
+
+    def eval_model(self, prepared: Prepared) -> nn.Module | None:
+        """Standalone: a plain module of the user's class holding the full parameters,
+        gathered from the shards (a collective). Made once, refreshed on every call; one
+        full copy of the parameters on every replica."""
+        if not self.standalone:
+            return None
+        clone = self.owner.eval_copy(prepared)  # made once (eval_module below), then refreshed
+        targets = clone.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in prepared.module.state_dict().items():
+                targets[name].copy_(self.full(value.detach()))
+        return clone
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+        """Standalone: a full (gathered / Mirrored) optimizer state: tensors shaped like their
+        parameter are sharded like it; the rest (step counters) load as they are."""
+        if not self.standalone:
+            return False
+        params = [p for g in opt.param_groups for p in g["params"]]
+        sharded: dict[Any, Any] = {}
+        for key, entry in state.get("state", {}).items():
+            param = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
+            if param is None or not isinstance(entry, dict):
+                sharded[key] = entry
+                continue
+            sharded[key] = {k: (self.like(param, v) if isinstance(v, torch.Tensor)
+                                and not is_dtensor(v) and v.dim() > 0 else v)
+                            for k, v in entry.items()}
+        opt.load_state_dict({**state, "state": sharded})
+        return True
 
     def finalize(self, prepared: Prepared) -> None:
         """Broadcast rank 0's buffers (BatchNorm running statistics): FSDP2 leaves buffers
@@ -478,10 +523,6 @@ class Sharded(Strategy):
     """
 
     name = "sharded"
-    _synchronous_step = True
-    _hierarchy_roles = ("inner",)
-    _replicates_model = False
-    _materializes_meta = True
 
     def __init__(self, *, reshard_after_forward: bool = True, shard_modules: ShardModules = None,
                  cpu_offload: bool = False, reduce_precision: str | None = None,
@@ -501,31 +542,33 @@ class Sharded(Strategy):
         if reduce_precision not in (None, "fp32", "bf16", "fp16"):
             raise ValueError(f"reduce_precision must be None, 'fp32', 'bf16' or 'fp16', got "
                              f"{reduce_precision!r}")
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_modules = shard_modules
+        self.cpu_offload = cpu_offload
+        self.reduce_precision = reduce_precision
+        self.release_host_memory = release_host_memory
         super().__init__(**kwargs)
         if cpu_offload and self.device.type != "cuda":
             raise ValueError(
                 f"cpu_offload=True keeps the shards in pinned host memory and copies them to "
                 f"the GPU unit by unit; it needs a CUDA device, got device={self.device}. Fix: "
                 "drop cpu_offload on a CPU job (its tensors already live in host memory)")
-        base = self.precision
-        self.precision = _LocalPrecision(base.precision, device_type=base.device_type,
-                                         on_nonfinite=base.on_nonfinite, init_scale=base.scale,
-                                         growth_interval=base.growth_interval)
-        self.reshard_after_forward = reshard_after_forward
-        self.shard_modules = shard_modules
-        self.cpu_offload = cpu_offload
-        self.reduce_precision = reduce_precision
-        self.release_host_memory = release_host_memory
 
-    def _build_parts(self, comm: Comm) -> list[Part]:
+    def plan(self) -> Plan:
+        """One :class:`FSDPSharding` part that is the whole strategy (it checkpoints its
+        shards and gathers them for ``eval_model``)."""
+        return self.layer_plan(standalone=True)
+
+    def layer_plan(self, standalone: bool = False) -> Plan:
+        """The FSDP2 part; as ``Hierarchical``'s inner layer the outer layer keeps the model."""
         dtype = self.precision.dtype
         reduce_dtype = ({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
                         [self.reduce_precision] if self.reduce_precision is not None else dtype)
-        return [FSDPSharding(comm, device=self.device,
-                             reshard_after_forward=self.reshard_after_forward,
-                             shard_modules=self.shard_modules, cpu_offload=self.cpu_offload,
-                             param_dtype=dtype, reduce_dtype=reduce_dtype,
-                             release_host_memory=self.release_host_memory)]
+        return Plan(FSDPSharding.spec(
+            device=self.device, reshard_after_forward=self.reshard_after_forward,
+            shard_modules=self.shard_modules, cpu_offload=self.cpu_offload, param_dtype=dtype,
+            reduce_dtype=reduce_dtype, release_host_memory=self.release_host_memory,
+            standalone=standalone))
 
     @property
     def sharding(self) -> FSDPSharding:
@@ -533,60 +576,6 @@ class Sharded(Strategy):
         part = self.parts[0]
         assert isinstance(part, FSDPSharding)
         return part
-
-    # ------------------------------------------------------------------ state
-    # _grad_norm and _load_model are the base class's, through the part's hooks: the global
-    # norm over the shards; full tensors from any checkpoint, of which each replica keeps
-    # its rows.
-
-    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
-        """The module's state as FSDP2 holds it, DTensor shards (not the part's gathered
-        consensus): a sharded checkpoint writes each replica's rows, ``save(...,
-        consolidate=True)`` gathers them."""
-        return {k: v.detach() for k, v in prepared.module.state_dict().items()}
-
-    def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
-        return opt.state_dict()
-
-    def _load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """A full (gathered / Mirrored) optimizer state: tensors shaped like their parameter
-        are sharded like it; the rest (step counters) load as they are."""
-        params = [p for g in opt.param_groups for p in g["params"]]
-        sharded: dict[Any, Any] = {}
-        for key, entry in state.get("state", {}).items():
-            param = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
-            if param is None or not isinstance(entry, dict):
-                sharded[key] = entry
-                continue
-            sharded[key] = {k: (self.sharding.like(param, v) if isinstance(v, torch.Tensor)
-                                and not is_dtensor(v) and v.dim() > 0 else v)
-                            for k, v in entry.items()}
-        opt.load_state_dict({**state, "state": sharded})
-
-    def eval_model(self, model: nn.Module) -> nn.Module:
-        """A plain module of the user's class holding the full parameters, gathered from the
-        shards (a collective: call it on every replica). The copy is made once and refreshed
-        on every call; it costs one full copy of the parameters on every replica."""
-        prepared = self._find_prepared(model)
-        if prepared is None:
-            return model
-        clone = self._eval_copy(prepared)  # made once (the part's eval_module), then refreshed
-        targets = clone.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, value in prepared.module.state_dict().items():
-                targets[name].copy_(self.sharding.full(value.detach()))
-        return clone
-
-
-class _LocalPrecision(Precision):
-    """Unscales and checks each replica's own rows: a DTensor gradient would route every
-    per-tensor ``sum`` and ``isfinite`` through DTensor dispatch (and a reduction across
-    replicas). The replicas' verdicts are then agreed by the base class's one all-reduce of
-    the flag (``_synchronous_step``)."""
-
-    def unscale_and_check(self, grads: Iterable[torch.Tensor]) -> bool:
-        return super().unscale_and_check(
-            [g.to_local() if is_dtensor(g) else g for g in grads])
 
 
 def materialize_shards(module: nn.Module, template: nn.Module, device: torch.device,
