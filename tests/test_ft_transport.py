@@ -486,7 +486,7 @@ def test_stratagem_imports_without_torchft(monkeypatch: pytest.MonkeyPatch) -> N
                    if re.search(r"^\s*(from|import) torchft", p.read_text(), re.M))
     # Only the fault-tolerance package talks to torchft (comm.py and launch.py import it
     # inside the functions that need it, so `import stratagem` never does).
-    assert users == ["ft/comm.py", "ft/launch.py", "ft/transport.py"]
+    assert users == ["ft/comm.py", "ft/launch.py", "ft/transport.py", "ft/upstream.py"]
     importlib.import_module("stratagem.ft.comm")
     importlib.import_module("stratagem.ft.launch")
 

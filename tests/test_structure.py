@@ -297,7 +297,7 @@ def test_features_use_only_the_public_state_protocol():
     """checkpoint, fit and preemption reach a strategy (or its optimizer) only through public
     members: no ``strategy._steps``, ``optimizer._strategy``, ``strategy._find_prepared``."""
     private = _private_members_of_strategy()
-    assert {"_step", "_find_prepared", "_consensus", "_strategy", "_unscale"} <= private
+    assert {"_step", "_find_prepared", "_strategy", "_unscale"} <= private
     found = []
     for module, path in MODULES.items():
         if not module.startswith(("stratagem.checkpoint", "stratagem.fit",
@@ -308,3 +308,95 @@ def test_features_use_only_the_public_state_protocol():
                     isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 found.append(f"{path.relative_to(SRC.parent)}:{node.lineno}: .{node.attr}")
     assert not found, "private Strategy members used outside it:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------- one shape
+#: What a strategy class body may hold: its name, the argument prefixes it routes to other
+#: strategies (``Hierarchical``), its constructor, its parts declaration, a repr.
+_STRATEGY_ASSIGNMENTS = {"name", "_argument_prefixes"}
+_STRATEGY_DECLARATIONS = {"__init__", "__repr__", "plan", "layer_plan"}
+#: The boolean class flags strategies used to steer the base with, and the capability names:
+#: a strategy gets these from its parts, never sets them.
+_CAPABILITY_FLAGS = {"_synchronous_step", "_fault_tolerance", "_keeps_global_batch",
+                     "_local_optimizer_state", "_replica_groups", "_hierarchy_roles",
+                     "_replicates_model", "_materializes_meta", "synchronous_step",
+                     "optimizer_state_is_local", "fault_tolerant_capable",
+                     "synchronous", "local_optimizer_state", "transactions",
+                     "keeps_global_batch", "shards_model", "materializes_meta", "starts_alone",
+                     "replica_groups", "roles"}
+
+
+def _base_public_methods() -> set[str]:
+    tree = ast.parse(MODULES["stratagem.strategy"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Strategy")
+    return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def strategy_file_violations(source: str, where: str = "<source>") -> list[str]:
+    """What a strategy file holds beyond its arguments and its parts declaration: a private
+    method (a hook override), an override of the base's methods other than the declaration,
+    a class-level assignment other than ``name``, or a capability flag set anywhere."""
+    base = _base_public_methods()
+    found = []
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in cls.bases}
+        if not bases & {"Strategy"} and not any(b.endswith("Strategy") for b in bases):
+            continue
+        for node in cls.body:
+            line = f"{where}:{node.lineno}: {cls.name}"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name in _STRATEGY_DECLARATIONS:
+                    continue
+                if node.name.startswith("_"):
+                    found.append(f"{line}.{node.name}: overrides a private method")
+                elif node.name in base:
+                    found.append(f"{line}.{node.name}: overrides the base's {node.name}")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if not (isinstance(t, ast.Name) and t.id in _STRATEGY_ASSIGNMENTS):
+                        found.append(f"{line}: class-level assignment {ast.unparse(t)}")
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and node.attr in _CAPABILITY_FLAGS:
+                found.append(f"{where}:{node.lineno}: {cls.name} sets capability flag "
+                             f"{node.attr}")
+    return found
+
+
+def test_strategy_files_hold_arguments_and_parts_only():
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("stratagem.strategies."):
+            found += strategy_file_violations(path.read_text(), str(path.relative_to(SRC)))
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("    def _setup(self, prepared): pass", "overrides a private method"),
+    ("    def eval_model(self, model): return model", "overrides the base's eval_model"),
+    ("    _synchronous_step = True", "class-level assignment _synchronous_step"),
+    ("    def __init__(self):\n        self._fault_tolerance = True", "capability flag"),
+    ("    def plan(self):\n        return Plan()", None),
+])
+def test_the_strategy_file_check_catches_each_violation(body, expected):
+    source = f"class Bad(Strategy):\n    name = 'bad'\n{body}\n"
+    found = strategy_file_violations(source)
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0], found
+
+
+def test_the_strategy_base_is_small():
+    """strategy.py, and its Strategy class, at most 500 lines: step control, replica
+    operations, inputs, the parts' hook order and fault tolerance are objects of their own."""
+    text = MODULES["stratagem.strategy"].read_text()
+    assert len(text.splitlines()) <= 500
+    cls = next(n for n in ast.parse(text).body
+               if isinstance(n, ast.ClassDef) and n.name == "Strategy")
+    assert cls.end_lineno is not None and cls.end_lineno - cls.lineno + 1 <= 500
+    assert "fault_tolerant" not in "".join(
+        line for line in text.splitlines() if line.lstrip().startswith(("if ", "elif ")))

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .context import InputContext
 from .validation import check_int
 
-__all__ = ["DistributedLoader", "move_to_device", "skip_first_batches"]
+__all__ = ["DistributedLoader", "Inputs", "move_to_device", "skip_first_batches"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -286,3 +287,29 @@ def skip_first_batches(loader: Any, num_batches: int) -> Any:
         raise TypeError(f"skip_first_batches needs an iterable loader, got "
                         f"{type(loader).__name__}. Fix: pass the loader you iterate")
     return _Skipping(loader, num_batches)
+
+
+class Inputs:
+    """How a strategy feeds its replicas. Data is sharded by the replicas' fixed places in
+    the job as launched (``comm().slot`` of ``comm().num_slots``): under fault tolerance a
+    missing replica's share is skipped or, with ``keep_global_batch``, adopted by a live one,
+    never re-sharded. ``on_loader`` sees each loader made (the fault-tolerance layer)."""
+
+    def __init__(self, comm: Callable[[], Any], device: torch.device,
+                 on_loader: Callable[[DistributedLoader], None]) -> None:
+        self._comm, self.device, self._on_loader = comm, device, on_loader
+
+    def dataset(self, dataset: Any, global_batch_size: int, *, shuffle: bool, seed: int,
+                drop_remainder: bool, **kwargs: Any) -> DistributedLoader:
+        comm = self._comm()
+        loader = DistributedLoader(dataset, global_batch_size, num_replicas=comm.num_slots,
+                                   replica_id=comm.slot, shuffle=shuffle, seed=seed,
+                                   drop_remainder=drop_remainder, device=self.device, **kwargs)
+        self._on_loader(loader)
+        return loader
+
+    def from_function(self, input_fn: Callable[[InputContext], Any]) -> Any:
+        comm = self._comm()
+        return input_fn(InputContext(num_input_pipelines=comm.num_slots,
+                                     input_pipeline_id=comm.slot,
+                                     num_replicas_in_sync=comm.num_slots))

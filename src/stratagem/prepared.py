@@ -5,6 +5,7 @@ whose ``step()`` runs the strategy's step)."""
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,15 @@ if TYPE_CHECKING:
     from .precision import Precision
     from .step import StepControl
 
-__all__ = ["Prepared", "StrategyOptimizer", "uncompiled", "autocast_forward", "eval_copy"]
+__all__ = ["Prepared", "PreparedModels", "StrategyOptimizer", "uncompiled", "autocast_forward",
+           "eval_copy", "default_device"]
+
+
+def default_device() -> torch.device:
+    """This worker's CUDA device (``LOCAL_RANK`` modulo the devices), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def uncompiled(module: nn.Module) -> nn.Module:
@@ -46,6 +55,31 @@ class Prepared:
         self.state: dict[str, Any] = {}
         self.param_names = {id(p): n for n, p in module.named_parameters()}
         self.local_steps = 0
+
+
+class PreparedModels(list[Prepared]):
+    """The models one strategy prepared, in order, found by any of their names."""
+
+    def find(self, model: nn.Module, *, exact: bool = True) -> Prepared | None:
+        """The record of ``model`` (as ``prepare`` returned it, the user's module, or the
+        object given to ``prepare``), or None; unless ``exact``, ``torch.compile`` wrappers
+        applied after ``prepare`` are seen through."""
+        for _ in range(8):
+            prepared = next((p for p in self if model is p.model or model is p.module
+                             or model is p.given), None)
+            inner = getattr(model, "_orig_mod", None)
+            if prepared is not None or exact or not isinstance(inner, nn.Module):
+                return prepared
+            model = inner
+        return None
+
+    def require(self, model: nn.Module, what: str) -> Prepared:
+        prepared = self.find(model)
+        if prepared is None:
+            raise ValueError(f"{what} needs a model prepared by this strategy, got a "
+                             f"{type(model).__name__} it did not prepare. Fix: pass the model "
+                             "that strategy.prepare(model, optimizer) returned")
+        return prepared
 
 
 class StrategyOptimizer(torch.optim.Optimizer):

@@ -18,8 +18,8 @@ import torch
 from .validation import check_int, check_number
 
 if TYPE_CHECKING:
-    from .prepared import Prepared, StrategyOptimizer
     from .precision import Precision
+    from .prepared import Prepared, StrategyOptimizer
 
 __all__ = ["StepControl", "is_comm_error"]
 
@@ -80,6 +80,37 @@ class StepControl:
         self._clip_nonfinite: dict[int, bool] = {}
 
     # ------------------------------------------------------------------ accumulation
+    @staticmethod
+    def check_accumulation(accumulation_steps: int | None,
+                           global_accumulation_steps: int | None) -> None:
+        """The strategy constructor's two ways to say it: at most one, each an int >= 1."""
+        if accumulation_steps is not None and global_accumulation_steps is not None:
+            raise ValueError(
+                f"pass accumulation_steps (per worker) or global_accumulation_steps (over all "
+                f"workers), not both; got accumulation_steps={accumulation_steps!r} and "
+                f"global_accumulation_steps={global_accumulation_steps!r}. Fix: drop one")
+        if accumulation_steps is not None:
+            check_int("accumulation_steps", accumulation_steps, minimum=1,
+                      fix="pass the number of micro-batches per optimizer step, e.g. 4")
+        if global_accumulation_steps is not None:
+            check_int("global_accumulation_steps", global_accumulation_steps, minimum=1,
+                      fix="pass the number of micro-batches per optimizer step summed over all "
+                      "workers, e.g. 8")
+
+    def set_global_accumulation(self, value: int, workers: int) -> None:
+        """``accumulation_steps = value / workers``; a count not divisible raises
+        ``ValueError`` naming both numbers."""
+        check_int("global_accumulation_steps", value, minimum=1,
+                  fix="pass the number of micro-batches per optimizer step summed over all "
+                  "workers, e.g. 8")
+        if value % workers:
+            raise ValueError(
+                f"global_accumulation_steps={value} is not divisible by the {workers} workers "
+                f"(num_replicas_in_sync), so workers cannot share it equally. Fix: pass a "
+                f"multiple of {workers} (e.g. {max(workers, value - value % workers)}), or "
+                "accumulation_steps= per worker")
+        self.accumulation_steps = value // workers
+
     @property
     def accumulation_steps(self) -> int:
         return self._accumulation_steps

@@ -1,14 +1,9 @@
-"""The ``Strategy`` base: the training-loop contract every strategy fulfils.
-
-A strategy declares its parts (:meth:`Strategy.plan`); the base runs their hooks in one
-order, the same for every strategy (docs/architecture.md, "Hook order"), and knows no
-strategy. How a step flows: ``strategy.backward(loss)`` (accumulation, fp16 loss scaling:
-:class:`~stratagem.step.StepControl`) -> wrapped ``optimizer.step()`` -> the boundary
-(unscale, a pending clip, the non-finite verdict) -> the fault-tolerance layer's commit
-(:class:`~stratagem.ft.layer.FaultTolerance`; a plain Comm always commits) -> the parts'
-``before_update``, the update rule (a part's ``apply_update``, else the inner optimizer's
-``step()``), ``after_update`` -> the layer's step end (the next quorum) -> step-end hooks.
-"""
+"""The ``Strategy`` base: the training-loop contract every strategy fulfils. A strategy
+declares its parts (:meth:`Strategy.plan`); the base runs their hooks in the one order of
+:class:`~stratagem.parts.Parts` and knows no strategy. A step: ``backward`` (step control:
+accumulation, loss scaling) -> ``optimizer.step()`` -> the boundary (unscale, clip, the
+non-finite verdict) -> the fault-tolerance layer's commit -> the parts' update -> the layer's
+step end (the next quorum) -> step-end hooks."""
 
 from __future__ import annotations
 
@@ -25,12 +20,22 @@ from torch.utils.hooks import RemovableHandle
 
 from .comm import Comm
 from .context import InputContext, ReplicaContext, enter_replica, enter_scope
-from .data import DistributedLoader, skip_first_batches
+from .data import DistributedLoader, Inputs, skip_first_batches
+from .features import feature, register_feature
 from .ft.layer import FaultTolerance
-from .parts.base import Capability, Part
+from .parts.base import Capability
 from .parts.plan import Plan
+from .parts.runner import Parts
 from .precision import Autocast, Precision
-from .prepared import Prepared, StrategyOptimizer, autocast_forward, eval_copy, uncompiled
+from .prepared import (
+    Prepared,
+    PreparedModels,
+    StrategyOptimizer,
+    autocast_forward,
+    default_device,
+    eval_copy,
+    uncompiled,
+)
 from .replica_ops import ReduceOp, ReplicaOps
 from .step import StepControl
 from .validation import check_int, check_timeout
@@ -41,42 +46,6 @@ __all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer", "StepEndHook
 #: Called at the end of every optimizer step that reached an accumulation boundary (applied
 #: or skipped: every replica agreed on it), with the stepping optimizer.
 StepEndHook = Callable[[StrategyOptimizer], None]
-
-# Strategy.save / restore / fit / on_preemption are conveniences over modules built on the
-# public state protocol (stratagem.checkpoint, .fit, .preemption), which import Strategy:
-# each registers its entry point here when imported, and _feature imports it on first use.
-_FEATURES: dict[str, Callable[..., Any]] = {}
-_FEATURE_MODULES = {"save": "stratagem.checkpoint", "restore": "stratagem.checkpoint",
-                    "fit": "stratagem.fit", "on_preemption": "stratagem.preemption"}
-
-
-def register_feature(name: str, implementation: Callable[..., Any]) -> None:
-    """Plug in what ``Strategy.<name>`` runs: ``implementation(strategy, *args, **kwargs)``.
-    ``name`` is one of ``save``, ``restore``, ``fit``, ``on_preemption``; registering again
-    replaces the previous implementation (a test double, an alternative format)."""
-    if name not in _FEATURE_MODULES:
-        raise ValueError(f"unknown feature {name!r}; features: {sorted(_FEATURE_MODULES)}")
-    _FEATURES[name] = implementation
-
-
-def _feature(name: str) -> Callable[..., Any]:
-    if name not in _FEATURES:
-        import importlib
-
-        importlib.import_module(_FEATURE_MODULES[name])  # it registers itself
-    try:
-        return _FEATURES[name]
-    except KeyError:
-        raise RuntimeError(f"Strategy.{name} is implemented by {_FEATURE_MODULES[name]}, which "
-                           "did not register it. Fix: call stratagem.strategy.register_feature("
-                           f"{name!r}, implementation)") from None
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
-
 
 class Strategy:
     """Base of every strategy. Built from keyword arguments only; a subclass declares its
@@ -103,21 +72,10 @@ class Strategy:
                  comm: Comm | None = None, growth_interval: int = 2000,
                  init_scale: float = 2.0**16, fault_tolerant: bool | None = None,
                  min_replicas: int = 1, keep_global_batch: bool = False) -> None:
-        if accumulation_steps is not None and global_accumulation_steps is not None:
-            raise ValueError(
-                f"pass accumulation_steps (per worker) or global_accumulation_steps (over all "
-                f"workers), not both; got accumulation_steps={accumulation_steps!r} and "
-                f"global_accumulation_steps={global_accumulation_steps!r}. Fix: drop one")
-        if accumulation_steps is not None:
-            check_int("accumulation_steps", accumulation_steps, minimum=1,
-                      fix="pass the number of micro-batches per optimizer step, e.g. 4")
-        if global_accumulation_steps is not None:
-            check_int("global_accumulation_steps", global_accumulation_steps, minimum=1,
-                      fix="pass the number of micro-batches per optimizer step summed over all "
-                      "workers, e.g. 8")
+        StepControl.check_accumulation(accumulation_steps, global_accumulation_steps)
         check_timeout("timeout", timeout,
                       fix="pass the seconds a peer may stay silent, e.g. timeout=60")
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         self.timeout = float(timeout)
         self.precision = Precision(precision, device_type=self.device.type,
                                    on_nonfinite=on_nonfinite, growth_interval=growth_interval,
@@ -131,15 +89,17 @@ class Strategy:
         # Joined on first use, so that a strategy built only as configuration (the inner and
         # outer strategies of Hierarchical) never joins the job's process group itself.
         self._comm: Comm | None = comm
-        self._parts: list[Part] | None = None
-        self._prepared: list[Prepared] = []
+        self._parts: Parts | None = None
+        self._prepared = PreparedModels()
         self.control = StepControl(
             self.precision, device=self.device, shares=lambda: self.ft.shares,
             loss_fraction=lambda: self.ft.live_fraction, set_grad_sync=self._set_grad_sync,
-            grad_norm=self._grad_norm, agree=self.ft.agree, diagnose=self._diagnose,
+            grad_norm=self._grad_norm, agree=self.ft.agree,
+            diagnose=lambda exc, what: self.comm.diagnose(exc, what),  # type: ignore[arg-type]
             replica_id=lambda: self.replica_id)
         self.replicas = ReplicaOps(lambda: self.comm, lambda: self.num_replicas_in_sync,
                                    self.device)
+        self.inputs = Inputs(lambda: self.comm, self.device, self.ft.register_loader)
         self.ft.attach(self)
         if global_accumulation_steps is not None:
             self.global_accumulation_steps = global_accumulation_steps
@@ -182,12 +142,12 @@ class Strategy:
         return self._comm
 
     @property
-    def parts(self) -> list[Part]:
+    def parts(self) -> Parts:
         """The parts this strategy runs (built from :meth:`plan` on first use, over
-        :attr:`comm`)."""
+        :attr:`comm`), with their hooks in the one order of :class:`~stratagem.parts.Parts`."""
         if self._parts is None:
             self.ft.check_comm(self.comm)
-            parts = self.declared.build(self.comm)
+            parts = Parts(self.declared.build(self.comm))
             for part in parts:
                 part.attach(self)
             self._parts = parts
@@ -216,17 +176,7 @@ class Strategy:
 
     @global_accumulation_steps.setter
     def global_accumulation_steps(self, value: int) -> None:
-        check_int("global_accumulation_steps", value, minimum=1,
-                  fix="pass the number of micro-batches per optimizer step summed over all "
-                  "workers, e.g. 8")
-        workers = self.num_replicas_in_sync
-        if value % workers:
-            raise ValueError(
-                f"global_accumulation_steps={value} is not divisible by the {workers} workers "
-                f"(num_replicas_in_sync), so workers cannot share it equally. Fix: pass a "
-                f"multiple of {workers} (e.g. {max(workers, value - value % workers)}), or "
-                "accumulation_steps= per worker")
-        self.accumulation_steps = value // workers
+        self.control.set_global_accumulation(value, self.num_replicas_in_sync)
 
     @property
     def sync_gradients(self) -> bool:
@@ -297,9 +247,7 @@ class Strategy:
                 with torch.no_grad():
                     state = list(module.parameters()) + list(module.buffers())
                     self.comm.broadcast_coalesced([t.data for t in state], src=0)
-        wrapped = model
-        for part in self.parts:
-            wrapped = part.wrap_model(wrapped, module)
+        wrapped = self.parts.wrap_model(model, module)
         if self.precision.dtype is not None:
             # On the user's module (inside DDP / the compiled wrapper): every path to its
             # forward runs in autocast, and copies of it can be re-bound (eval_copy).
@@ -308,8 +256,7 @@ class Strategy:
         prepared.optimizers = [StrategyOptimizer(opt, prepared, self.control, self._step, self)
                                for opt in optimizers]
         self._prepared.append(prepared)
-        for part in self.parts:
-            part.setup(prepared)
+        self.parts.setup(prepared)
         self._set_grad_sync(self.control.micro + 1 >= self.control.micro_per_step, [prepared])
         self.ft.prepared()
         return wrapped if not optimizers else (wrapped, *prepared.optimizers)
@@ -331,7 +278,7 @@ class Strategy:
         gradients stay local). Call it between ``backward`` and ``optimizer.step()``, on
         every micro-batch or only the last. Returns the pre-clip norm (filled at the
         boundary); a non-finite norm skips or raises like a non-finite gradient."""
-        return self.control.clip(self._require_prepared(model, "clip_grad_norm_"),
+        return self.control.clip(self._prepared.require(model, "clip_grad_norm_"),
                                  max_norm, norm_type)
 
     def _step(self, opt: StrategyOptimizer) -> None:
@@ -344,15 +291,10 @@ class Strategy:
         elif nonfinite:
             self.control.skip(opt)
         else:
-            parts = self.parts
-            for part in parts:
-                part.before_update(prepared, opt)
-            if not any(part.apply_update(prepared, opt) for part in parts):
-                opt.optimizer.step()
+            self.parts.update(prepared, opt)
             self.control.applied()
             prepared.local_steps += 1
-            for part in parts:
-                part.after_update(prepared)
+            self.parts.after_update(prepared)
         self.ft.step_end(prepared)
         # The step boundary is where a checkpoint is consistent (a skipped step is one too).
         for hook in list(self._step_end_hooks.values()):
@@ -360,22 +302,11 @@ class Strategy:
 
     def _set_grad_sync(self, enabled: bool, prepared: Sequence[Prepared] | None = None) -> None:
         for p in self._prepared if prepared is None else prepared:
-            for part in self.parts:
-                part.set_grad_sync(p, enabled)
+            self.parts.set_grad_sync(p, enabled)
 
     def _grad_norm(self, prepared: Prepared, grads: list[torch.Tensor],
                    norm_type: float) -> torch.Tensor:
-        for part in self.parts:
-            norm = part.grad_norm(grads, norm_type)
-            if norm is not None:
-                return norm
-        dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
-        if not dense:
-            return torch.zeros((), device=self.device)
-        return torch.nn.utils.get_total_norm(dense, norm_type=norm_type).float()
-
-    def _diagnose(self, exc: BaseException, what: str) -> BaseException:
-        return self.comm.diagnose(exc, what)  # type: ignore[arg-type]
+        return self.parts.grad_norm(grads, norm_type, self.device)
 
     def add_step_end_hook(self, hook: StepEndHook) -> RemovableHandle:
         """Call ``hook(optimizer)`` at the end of every optimizer step that reached an
@@ -393,49 +324,14 @@ class Strategy:
         / center / global model; autocast under bf16/fp16 like the prepared model. Call it
         on every replica (a collective for some). An unprepared model is returned as is."""
         prepared = self._find_prepared(model)
-        if prepared is None:
-            return model
-        kept = next((m for m in (p.eval_model(prepared) for p in self.parts) if m is not None),
-                    None)
-        if kept is not None:
-            return kept
-        if all(part.replicated for part in self.parts):
-            return prepared.module
-        copy_ = self.eval_copy(prepared)
-        with torch.no_grad():
-            copy_.load_state_dict(self._consensus(prepared))
-        return copy_
+        return model if prepared is None else self.parts.eval_model(prepared, self.eval_copy)
 
     def finalize(self, model: nn.Module) -> None:
         """One last synchronisation, so the consensus includes every local step (each part's
         ``finalize``: LocalSGD/DiLoCo average, EASGD a last exchange, a parameter server
         flushes and pulls; per-step strategies set the buffers to rank 0's). A collective;
         training may continue, and calling it twice is harmless."""
-        prepared = self._require_prepared(model, "finalize")
-        for part in self.parts:
-            part.finalize(prepared)
-
-    def _consensus(self, prepared: Prepared) -> dict[str, torch.Tensor]:
-        state = prepared.module.state_dict(keep_vars=True)
-        # Outermost part first: it picks the values to keep; an inner part then turns them
-        # into whole tensors (a sharded inner part gathers its shards).
-        for part in reversed(self.parts):
-            state = part.consensus(prepared, state)
-        return {k: v.detach() for k, v in state.items()}
-
-    def _require_prepared(self, model: nn.Module, what: str) -> Prepared:
-        prepared = self._find_prepared(model)
-        if prepared is None:
-            raise ValueError(f"{what} needs a model prepared by this strategy, got a "
-                             f"{type(model).__name__} it did not prepare. Fix: pass the model "
-                             "that strategy.prepare(model, optimizer) returned")
-        return prepared
-
-    def _find_prepared(self, model: nn.Module) -> Prepared | None:
-        for p in self._prepared:
-            if model is p.model or model is p.module or model is p.given:
-                return p
-        return None
+        self.parts.finalize(self._prepared.require(model, "finalize"))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module behind a prepared model (never DDP nor ``torch.compile``)."""
@@ -448,13 +344,10 @@ class Strategy:
         """The :class:`Prepared` record of ``model`` (as returned by ``prepare``, the user's
         module, or the object given to it), or None; unless ``exact``, ``torch.compile``
         wrappers applied after ``prepare`` are seen through."""
-        for _ in range(8):
-            prepared = self._find_prepared(model)
-            inner = getattr(model, "_orig_mod", None)
-            if prepared is not None or exact or not isinstance(inner, nn.Module):
-                return prepared
-            model = inner
-        return None
+        return self._prepared.find(model, exact=exact)
+
+    def _find_prepared(self, model: nn.Module) -> Prepared | None:
+        return self._prepared.find(model)
 
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model to keep under the module's own names (the consensus; a sharded part's
@@ -462,9 +355,7 @@ class Strategy:
         prepared = self.find_prepared(model)
         if prepared is None:
             return {k: v.detach() for k, v in model.state_dict().items()}
-        saved = next((s for s in (p.saved_model(prepared) for p in self.parts) if s is not None),
-                     None)
-        return saved if saved is not None else self._consensus(prepared)
+        return self.parts.saved_model(prepared)
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load ``state`` into ``model`` on every replica and into the parts' copies of it
@@ -472,25 +363,19 @@ class Strategy:
         prepared = self.find_prepared(model)
         if prepared is None:
             model.load_state_dict(state)
-            return
-        if not any(part.load_model(prepared, state) for part in self.parts):
-            prepared.module.load_state_dict(state)
-        for part in self.parts:
-            part.loaded(prepared)
+        else:
+            self.parts.load_model(prepared, state)
 
     def strategy_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The parts' tensors besides the model (outer momentum, center...); {} if unprepared."""
         prepared = self.find_prepared(model)
-        out: dict[str, torch.Tensor] = {}
-        for part in self.parts if prepared is not None else []:
-            out.update(part.extra_state(prepared))  # type: ignore[arg-type]
-        return out
+        return {} if prepared is None else self.parts.extra_state(prepared)
 
     def load_strategy_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`strategy_state` returned (missing keys allowed)."""
         prepared = self.find_prepared(model)
-        for part in self.parts if prepared is not None else []:
-            part.load_extra_state(prepared, state)  # type: ignore[arg-type]
+        if prepared is not None:
+            self.parts.load_extra_state(prepared, state)
 
     def local_steps(self, model: nn.Module) -> int:
         """Optimizer steps applied to ``model`` on this replica (the periodic phase)."""
@@ -506,14 +391,12 @@ class Strategy:
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This replica's optimizer state for a checkpoint (a collective for some parts)."""
-        held = (p.optimizer_state(optimizer) for p in self.parts)
-        return next((s for s in held if s is not None), None) or optimizer.state_dict()
+        return self.parts.optimizer_state(optimizer)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer,
                              state: dict[str, Any]) -> None:
         """Load what :meth:`optimizer_state` returned (into the shards for a parameter server)."""
-        if not any(part.load_optimizer_state(optimizer, state) for part in self.parts):
-            optimizer.load_state_dict(state)
+        self.parts.load_optimizer_state(optimizer, state)
 
     def heal_state(self) -> dict[str, Any]:
         """Everything a replica joining a fault-tolerant job needs (see ``stratagem.ft``)."""
@@ -523,7 +406,6 @@ class Strategy:
         """Load what :meth:`heal_state` of a live peer returned."""
         self.ft.load_heal_state(state)
 
-    # ------------------------------------------------------------------ replica functions
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         """Run ``fn(*args, **kwargs)`` in replica context (``sg.get_replica_context()``)."""
         with enter_scope(self), enter_replica(ReplicaContext(self)):
@@ -558,19 +440,12 @@ class Strategy:
                            seed: int = 0, drop_remainder: bool = False, **kwargs: Any) -> DistributedLoader:
         """This replica's share of each global batch; see :class:`DistributedLoader`.
         Sharded by the replicas' places in the job as launched."""
-        comm = self.comm
-        loader = DistributedLoader(dataset, global_batch_size, num_replicas=comm.num_slots,
-                                   replica_id=comm.slot, shuffle=shuffle, seed=seed,
-                                   drop_remainder=drop_remainder, device=self.device, **kwargs)
-        self.ft.register_loader(loader)
-        return loader
+        return self.inputs.dataset(dataset, global_batch_size, shuffle=shuffle, seed=seed,
+                                   drop_remainder=drop_remainder, **kwargs)
 
     def distribute_datasets_from_function(self, input_fn: Callable[[InputContext], Any]) -> Any:
         """Call ``input_fn(ctx)`` with this replica's ``InputContext`` and return its result."""
-        comm = self.comm
-        return input_fn(InputContext(num_input_pipelines=comm.num_slots,
-                                     input_pipeline_id=comm.slot,
-                                     num_replicas_in_sync=comm.num_slots))
+        return self.inputs.from_function(input_fn)
 
     def skip_first_batches(self, loader: Any, num_batches: int) -> Any:
         """``loader`` positioned to skip its first ``num_batches`` batches in its next
@@ -581,15 +456,13 @@ class Strategy:
     def accumulate(self, model: nn.Module) -> Iterator[None]:
         """Accelerate's ``with accelerator.accumulate(model):``: micro-batches are already
         counted by ``backward``; this checks that ``model`` was prepared here."""
-        self._require_prepared(model, "accumulate")
+        self._prepared.require(model, "accumulate")
         yield
 
     # ------------------------------------------------------------------ metrics, features
     def metrics(self) -> dict[str, Any]:
         """Counters for this replica."""
-        extra: dict[str, Any] = {}
-        for part in self.parts:
-            extra.update(part.metrics())  # parts fold traffic counted elsewhere first
+        extra = self.parts.metrics()  # parts fold traffic counted elsewhere first
         m: dict[str, Any] = {"steps": self.control.steps, "bytes_sent": self.comm.bytes_sent,
                              "bytes_received": self.comm.bytes_received,
                              "comm_seconds": self.comm.seconds,
@@ -601,26 +474,26 @@ class Strategy:
 
     def save(self, path: str | os.PathLike[str], **state: Any) -> None:
         """Write a checkpoint atomically (a collective); see :func:`stratagem.checkpoint.save`."""
-        _feature("save")(self, path, **state)
+        feature("save")(self, path, **state)
 
     def restore(self, path: str | os.PathLike[str], **state: Any) -> dict[str, Any]:
         """Load a checkpoint into the given objects; see :func:`stratagem.checkpoint.restore`."""
-        return _feature("restore")(self, path, **state)  # type: ignore[no-any-return]
+        return feature("restore")(self, path, **state)  # type: ignore[no-any-return]
 
     def on_preemption(self, path: str | os.PathLike[str], **state: Any) -> Any:
         """On SIGTERM, save ``state`` at the next step boundary and exit with
         ``PREEMPTED_EXIT_CODE``; see :mod:`stratagem.preemption`."""
-        return _feature("on_preemption")(self, path, **state)
+        return feature("on_preemption")(self, path, **state)
 
     def fit(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any],
             dataset: Any, *, epochs: int, global_batch_size: int, **kwargs: Any) -> dict[str, list[float]]:
         """Train with the methods a custom loop uses; see :func:`stratagem.fit.fit`."""
-        return _feature("fit")(self, model, optimizer, loss_fn, dataset,  # type: ignore[no-any-return]
+        return feature("fit")(self, model, optimizer, loss_fn, dataset,  # type: ignore[no-any-return]
                                epochs=epochs, global_batch_size=global_batch_size, **kwargs)
 
     def close(self) -> None:
         """Release background resources (heartbeat thread, parameter-server channels)."""
-        for part in self._parts or []:
-            part.close()
+        if self._parts is not None:
+            self._parts.close()
         if self._comm is not None:
             self._comm.close()

@@ -70,15 +70,18 @@ batch is not trained on while it is away (lost, never repeated).
 Listening sockets: the Lighthouse, each replica's manager server, heal transport and store
 bind ``host`` only (loopback on one node). torchft's manager server binds every interface
 (``[::]``) with no option to change it; :func:`loopback_manager_server` rebinds it.
+
+This module uses torchft's public API only; what stratagem needs beyond it (the manager
+server's rebinding, the elided commit's bookkeeping, the quorum id, the gloo group's
+rendezvous store) is done in :mod:`stratagem.ft.upstream`, which checks it against the
+installed torchft (``docs/design/torchft-boundary.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
-import threading
 import time
 import traceback
 import uuid
@@ -89,10 +92,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._rendezvous import bound_tcp_store, bracket_host
+from .._rendezvous import bound_tcp_store
 from ..comm import Comm
 from ..errors import PeerTimeoutError, StratagemError
 from ..validation import check_timeout
+from . import upstream
 
 __all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_manager_server",
            "require_torchft", "QUORUM_EVERY", "QUORUM_TIMEOUT_FLOOR"]
@@ -104,27 +108,6 @@ __all__ = ["FaultTolerantComm", "QuorumError", "loopback_gloo_group", "loopback_
 QUORUM_EVERY = 32
 #: The least default ``quorum_timeout`` (seconds): see "Two timeouts" in the module docstring.
 QUORUM_TIMEOUT_FLOOR = 30.0
-
-#: Serialises the construction of managers (the manager-server rebinding patches a module
-#: attribute; tests build several managers at once in threads).
-_MANAGER_LOCK = threading.Lock()
-
-
-@functools.cache
-def _elision_supported() -> bool:
-    """Quorum elision updates the torchft manager's step bookkeeping itself (the attributes
-    its ``should_commit`` updates); with a torchft whose manager has other ones, every step
-    asks for a quorum."""
-    try:
-        from torchft import Manager
-    except ImportError:
-        return False
-    import inspect
-
-    code = getattr(inspect.unwrap(Manager.should_commit), "__code__", None)
-    names = ("_step", "_batches_committed", "_commit_failures", "_checkpoint_transport",
-             "disallow_checkpoint")
-    return code is not None and all(n in code.co_names for n in names)
 
 
 class QuorumError(StratagemError):
@@ -170,22 +153,11 @@ def _quiet_flight_recorder() -> None:
 def loopback_manager_server(host: str, replica_id: str | None = None) -> Iterator[None]:
     """Build torchft's manager server on ``host`` instead of every interface (``[::]``);
     with ``replica_id``, under that exact id (torchft appends a fresh uuid to the one it is
-    given: see "A replacement takes its predecessor's place" in the module docstring)."""
-    import torchft.manager as tm
-
-    original = tm.ManagerServer
-
-    def bound(**kwargs: Any) -> Any:
-        kwargs["bind"] = f"{bracket_host(host)}:0"
-        if replica_id is not None:
-            kwargs["replica_id"] = replica_id
-        return original(**kwargs)
-
-    tm.ManagerServer = bound  # type: ignore[misc, assignment]
-    try:
+    given: see "A replacement takes its predecessor's place" in the module docstring).
+    One manager is built at a time while it is open (:func:`stratagem.ft.upstream.
+    manager_server_on`, which raises when the installed torchft cannot be rebound)."""
+    with upstream.manager_server_on(host, replica_id):
         yield
-    finally:
-        tm.ManagerServer = original  # type: ignore[misc]
 
 
 def loopback_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
@@ -196,21 +168,9 @@ def loopback_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
     whatever the host name (an unauthenticated key-value store any machine on the network
     could write new group handles into), and its peers are told the host name, which need
     not resolve to loopback. This group hosts it with
-    :func:`~stratagem._rendezvous.bound_tcp_store` on ``host`` and advertises ``host``."""
-    import json
-
-    from torchft import ProcessGroupGloo
-
-    class _BoundGloo(ProcessGroupGloo):  # type: ignore[misc]
-        def get_reconfigure_handle(self) -> str:
-            if getattr(self, "_rendezvous_store", None) is None:
-                self._rendezvous_store = bound_tcp_store(
-                    host, 0, timeout=timedelta(seconds=max(timeout.total_seconds(), 30.0)))
-            handle = json.loads(super().get_reconfigure_handle())
-            handle["store"] = f"{bracket_host(host)}:{self._rendezvous_store.port}"
-            return json.dumps(handle)
-
-    return _BoundGloo(timeout=timeout)
+    :func:`~stratagem._rendezvous.bound_tcp_store` on ``host`` and advertises ``host``
+    (:func:`stratagem.ft.upstream.bound_gloo_group`)."""
+    return upstream.bound_gloo_group(timeout, host)
 
 
 class FaultTolerantComm(Comm):
@@ -244,7 +204,6 @@ class FaultTolerantComm(Comm):
                  group_comm: Comm | None = None, quorum_every: int | None = None,
                  quorum_timeout: float | None = None) -> None:
         require_torchft()
-        from torchft import Manager
 
         if group_size > 1 and group_store is None:
             raise ValueError(f"a replica group of {group_size} processes needs group_store, "
@@ -320,23 +279,21 @@ class FaultTolerantComm(Comm):
         self._asking_key = f"ft/asking/{slot}"
         self._keeps_id = server and group_size == 1 and job_store is not None
         replica_id = self._replica_id(slot, joining) if self._keeps_id else None
-        with (_MANAGER_LOCK if server else contextlib.nullcontext()), \
-                (loopback_manager_server(host, replica_id) if server
-                 else contextlib.nullcontext()):
-            self.manager = Manager(
-                pg=self._pg, load_state_dict=self._load, state_dict=self._state,
-                min_replica_size=min_replicas, use_async_quorum=False,
-                # torchft's own timeout bounds the reconfiguration and the heal: setup work,
-                # slower on a loaded machine than a step's collective; the commit vote is
-                # given ``timeout`` at each call.
-                timeout=timedelta(seconds=self.quorum_timeout),
-                quorum_timeout=timedelta(seconds=self.quorum_timeout),
-                connect_timeout=timedelta(seconds=max(self.quorum_timeout, 10.0)),
-                rank=group_rank,
-                world_size=group_size, store_addr=host, store_port=store_port,
-                lighthouse_addr=lighthouse, replica_id=f"slot{slot}", hostname=host,
-                heartbeat_interval=timedelta(milliseconds=100),
-                checkpoint_transport=transport, init_sync=True)
+        self.manager = upstream.build_manager(
+            server_host=host if server else None, server_replica_id=replica_id,
+            pg=self._pg, load_state_dict=self._load, state_dict=self._state,
+            min_replica_size=min_replicas, use_async_quorum=False,
+            # torchft's own timeout bounds the reconfiguration and the heal: setup work,
+            # slower on a loaded machine than a step's collective; the commit vote is
+            # given ``timeout`` at each call.
+            timeout=timedelta(seconds=self.quorum_timeout),
+            quorum_timeout=timedelta(seconds=self.quorum_timeout),
+            connect_timeout=timedelta(seconds=max(self.quorum_timeout, 10.0)),
+            rank=group_rank,
+            world_size=group_size, store_addr=host, store_port=store_port,
+            lighthouse_addr=lighthouse, replica_id=f"slot{slot}", hostname=host,
+            heartbeat_interval=timedelta(milliseconds=100),
+            checkpoint_transport=transport, init_sync=True)
         super().__init__(self._pg, 0, 1, store=None, timeout=timeout, heartbeat=False,
                          device=device)
         #: The processes of this replica group (a node of ``Hierarchical``): a plain Comm
@@ -545,7 +502,8 @@ class FaultTolerantComm(Comm):
         """Whether the next transaction may run on the quorum it has (module docstring)."""
         return (self.quorum_every > 1 and not self._must_ask and self.quorums > 0
                 and self.replica_group_size == 1 and self._world == self.num_replica_groups
-                and self.committed_steps % self.quorum_every != 0 and _elision_supported()
+                and self.committed_steps % self.quorum_every != 0
+                and upstream.should_commit_is_elidable()
                 and self.manager.errored() is None)
 
     def commit(self) -> bool:
@@ -573,15 +531,8 @@ class FaultTolerantComm(Comm):
         """The commit of a transaction that skipped the quorum: what torchft's
         ``should_commit`` does for a replica group of one process, without its call to the
         manager server (whose vote, with one voter, is this process's own)."""
-        manager = self.manager
-        ok = self._error is None and manager.errored() is None
-        manager._checkpoint_transport.disallow_checkpoint()
-        if ok:
-            manager._step += 1
-            manager._batches_committed += self._world
-            manager._commit_failures = 0
-        else:
-            manager._commit_failures += 1
+        ok = self._error is None and self.manager.errored() is None
+        upstream.commit_bookkeeping(self.manager, committed=ok, participants=self._world)
         return ok
 
     def _drop_group(self) -> None:
@@ -631,7 +582,7 @@ class FaultTolerantComm(Comm):
         the quorum changed (torchft's quorum id), cached until it changes again. A gather
         that failed (the step will not commit) is not cached."""
         self.begin()
-        quorum_id = getattr(self.manager, "_quorum_id", None)
+        quorum_id = upstream.quorum_id(self.manager)
         cached = getattr(self, "_live", None)
         if cached is not None and quorum_id is not None and cached[0] == quorum_id:
             return list(cached[1])

@@ -17,9 +17,10 @@ from .elastic import ElasticExchange
 from .grad_sync import GradientSync
 from .outer import OuterStep
 from .plan import NodePlan, Plan
+from .runner import Parts
 from .tensors import average_, dtype_groups, gather_ranks, load_rank, mean_copy, synced_tensors
 
-__all__ = ["Part", "PartSpec", "Capability", "Plan", "NodePlan", "GradientSync",
+__all__ = ["Part", "PartSpec", "Capability", "Plan", "NodePlan", "Parts", "GradientSync",
            "ParameterAveraging", "OuterStep", "ElasticExchange", "ElasticAveragingPart",
            "average_", "mean_copy", "gather_ranks", "load_rank", "synced_tensors",
            "dtype_groups"]

@@ -20,82 +20,26 @@ parameters and gradients only. Transport, placement and the shard side are
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
+import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
-from torch import nn
-
-from ..compression import COMPRESSIONS, ErrorFeedback
-from ..errors import PeerTimeoutError
-from ..parts.tensors import broadcast_buffers, gather_ranks, load_rank
-from ..ps import optim as ps_optim
-from ..ps.addresses import all_on_this_host, shard_addresses
-from ..ps.link import PSLink
-from ..strategy import Prepared, Strategy, StrategyOptimizer
+from ..compression import COMPRESSIONS
+from ..parts.plan import Plan
+from ..ps.addresses import shard_addresses
+from ..ps.part import ParameterServerLink
+from ..strategy import Strategy
 from ..validation import check_int
 
 if TYPE_CHECKING:
     from ..ps.placement import Partitioner
-    from ..ps.table import PushOutcome, ShardedParameters
-    from ..ps.transport import PSFuture
 
 __all__ = ["ParameterServer"]
 
 _MODES = ("async", "sync")
-#: At most this many push-fetch calls per step (bucket_cap_mb is raised for big models): each
-#: is an HTTP/2 stream, and shards cap the streams of one connection.
-_MAX_BUCKETS = 16
-#: ``bucket_cap_mb="auto"`` with a shard on another machine: pipelined buckets of this size.
-_REMOTE_BUCKET_CAP_MB = 0.125
-_UNRESOLVED = object()
-
-
-@dataclass
-class _OptState:
-    """Per wrapped optimizer: its tensors on the shards and the schedule counters."""
-
-    optimizer: torch.optim.Optimizer  # the user's (never stepped: its state stays empty)
-    keys: list[str]  # shard names of the parameters it steps, in param-group order
-    params: list[nn.Parameter]
-    group_keys: list[list[str]]
-    sent_specs: list[dict[str, Any]]  # last hyperparameters sent, per param group
-    steps: int = 0
-    acc: dict[str, torch.Tensor] = field(default_factory=dict)  # push_every accumulation
-    acc_base: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Job:
-    """What a push/fetch in flight returns: push outcomes, fetched values and versions."""
-
-    outcomes: dict[str, PushOutcome]
-    values: dict[str, torch.Tensor]
-    versions: dict[str, int]
-
-
-class _PSState:
-    """Per prepared model: the shard table and what this worker knows about its tensors."""
-
-    def __init__(self, table: ShardedParameters, by_key: dict[str, nn.Parameter],
-                 sparse: set[str]) -> None:
-        self.table = table
-        self.by_key = by_key
-        self.key_of = {id(p): k for k, p in by_key.items()}
-        self.sparse = sparse  # keys of nn.Embedding(sparse=True) weights: rows on demand
-        self.base: dict[str, int] = {}  # version of the values this worker holds, per key
-        self.opts: dict[int, _OptState] = {}
-        self.pending: concurrent.futures.Future[_Job] | None = None
-        self.hooks: list[Any] = []
-        self.rows_pulled: set[str] = set()  # sparse keys pulled since the last push
-        self.bucket_bytes: int | None = None  # async push-fetch: bytes per call
-
-
-#: Checkpoint key prefix of the workers' error-feedback residuals (``ps_ef_residual.rank{r}/``).
-_EF_KEY = "ps_ef_residual"
+#: The base's default ``timeout`` (the part needs it when the plan is declared, which the base
+#: does before it sets ``self.timeout``).
+_DEFAULT_TIMEOUT = inspect.signature(Strategy.__init__).parameters["timeout"].default
 
 
 class ParameterServer(Strategy):
@@ -266,594 +210,59 @@ class ParameterServer(Strategy):
                              "only fresh gradients), got it with mode='sync'. Fix: drop "
                              "staleness_lr")
         self.ps_addresses = shard_addresses(ps_addresses, who="ParameterServer")
-        super().__init__(**common)
         self.mode = mode
         self.push_every = push_every
         self.fetch_every = fetch_every
         self.max_staleness = max_staleness
-        self.replicas_to_aggregate = (replicas_to_aggregate if replicas_to_aggregate is not None
-                                      else self.num_replicas_in_sync)
+        # None: every replica (resolved by the part over the Comm; see replicas_to_aggregate).
+        self._replicas_to_aggregate = replicas_to_aggregate
         self.partitioner = partitioner
         self.small_tensor_bytes = small_tensor_bytes
         self.compression = compression
+        self.error_feedback = error_feedback
         self.prefetch = prefetch
         self.bucket_cap_mb = bucket_cap_mb
-        self._resolved_bucket_cap_mb: object = _UNRESOLVED
         self.staleness_lr = staleness_lr
-        self._feedback = ErrorFeedback(compression, deferred=True) \
-            if error_feedback and compression is not None else None
-        # Sync: every worker must push for every version, so a skip is agreed by all.
-        self._synchronous_step = mode == "sync"
-        # The shards (connected when the first model is prepared).
-        self._ps = PSLink(self.ps_addresses, comm=self.comm, timeout=self.timeout)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._staleness: collections.Counter[int] = collections.Counter()
-        self._dropped = 0
-        self._pushes = 0
-        self._nonfinite_pushes = 0
-        self._sparse_rows_pulled = 0
+        # plan() runs inside super().__init__, before it sets self.timeout.
+        self._part_timeout = float(common.get("timeout", _DEFAULT_TIMEOUT))
+        super().__init__(**common)
 
-    # ------------------------------------------------------------------ setup
-    def _initial_sync(self, model: nn.Module) -> None:
-        # No collective: the chief registers, the others wait for its values on the shards
-        # (_setup); a (re)starting worker starts from the current values without waiting.
-        pass
+    def plan(self) -> Plan:
+        """One part: this worker's link to the shards (:class:`~stratagem.ps.part.
+        ParameterServerLink`), which applies every step there."""
+        return Plan(ParameterServerLink.spec(
+            mode=self.mode, ps_addresses=self.ps_addresses, timeout=self._part_timeout,
+            push_every=self.push_every, fetch_every=self.fetch_every,
+            max_staleness=self.max_staleness, replicas_to_aggregate=self._replicas_to_aggregate,
+            partitioner=self.partitioner, small_tensor_bytes=self.small_tensor_bytes,
+            compression=self.compression, error_feedback=self.error_feedback,
+            prefetch=self.prefetch, staleness_lr=self.staleness_lr,
+            bucket_cap_mb=self.bucket_cap_mb))
 
-    def _setup(self, prepared: Prepared) -> None:
-        index = len(self._prepared) - 1
-        prefix = "" if index == 0 else f"model{index}/"
-        names = prepared.param_names
-        by_key: dict[str, nn.Parameter] = {}
-        specs: dict[str, dict[str, Any]] = {}
-        opt_states: dict[int, _OptState] = {}
-        for opt in prepared.optimizers:
-            keys: list[str] = []
-            params: list[nn.Parameter] = []
-            group_keys: list[list[str]] = []
-            sent: list[dict[str, Any]] = []
-            for gi, group in enumerate(opt.param_groups):
-                spec = self._spec(opt.optimizer, gi)  # TypeError if unsupported
-                gk: list[str] = []
-                for p in group["params"]:
-                    if id(p) not in names:
-                        raise ValueError("the optimizer steps a tensor that is not a parameter "
-                                         "of the prepared model. Fix: build the optimizer from "
-                                         "model.parameters()")
-                    if not p.is_floating_point():
-                        continue
-                    key = prefix + names[id(p)]
-                    if key in by_key:
-                        raise ValueError(f"parameter {names[id(p)]!r} is stepped by two "
-                                         "optimizers or param groups; the shards run one "
-                                         "optimizer per tensor. Fix: list it once")
-                    by_key[key] = p
-                    specs[key] = spec
-                    keys.append(key)
-                    params.append(p)
-                    gk.append(key)
-                group_keys.append(gk)
-                sent.append(spec)
-            opt_states[id(opt)] = _OptState(opt.optimizer, keys, params, group_keys, sent)
-        sparse = {prefix + n + ".weight" for n, m in prepared.module.named_modules()
-                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-                  and prefix + n + ".weight" in by_key}
-        partitioner = self.partitioner
-        bucket = self._bucket_bytes(by_key, sparse)
-        if bucket is not None and partitioner is None:
-            # Buckets are whole parts: cut the big tensors to the bucket size.
-            from ..ps.placement import MaxSizePartitioner
-
-            partitioner = MaxSizePartitioner(bucket, max_shards=_MAX_BUCKETS)
-        table = self._ps.table(
-            {k: p.detach() for k, p in by_key.items()}, mode=self.mode,
-            optimizer_specs=specs, replicas_to_aggregate=self.replicas_to_aggregate,
-            max_staleness=self.max_staleness, partitioner=partitioner,
-            small_tensor_bytes=self.small_tensor_bytes)
-        st = _PSState(table, by_key, sparse)
-        st.bucket_bytes = bucket
-        st.opts = opt_states
-        prepared.state["ps"] = st
-        if by_key:
-            # The chief registers its initial weights; the others wait for them and pull, so
-            # a run does not depend on which worker registered first (issue 11). A worker
-            # (re)starting later gets the current values either way, and pushes nothing
-            # before it has them.
-            values = table.join(register=self.is_chief, timeout=self.timeout)
-            versions = table.versions
-            with torch.no_grad():
-                for k, p in by_key.items():
-                    p.copy_(values[k])
-                    st.base[k] = versions[k]
-            self._ps.fold_bytes()
-        for n, m in prepared.module.named_modules():
-            key = prefix + n + ".weight"
-            if key in sparse:
-                st.hooks.append(m.register_forward_pre_hook(self._rows_hook(st, key)))
-        if self.prefetch:
-            if self.mode == "sync":
-                st.hooks.append(prepared.module.register_forward_pre_hook(
-                    lambda module, args: self._install(st)))
-            # ``model.state_dict()`` after the last step shows the last update, not the one
-            # before (the fetch in flight is installed first).
-            st.hooks.append(prepared.module.register_state_dict_pre_hook(
-                lambda module, prefix, keep_vars: self._install(st)))
+    @property
+    def replicas_to_aggregate(self) -> int:
+        """Gradients averaged per version in sync mode: the given value, else
+        ``num_replicas_in_sync``."""
+        return _link(self).replicas_to_aggregate
 
     @property
     def resolved_bucket_cap_mb(self) -> float | None:
         """The ``bucket_cap_mb`` in force: the given value, or for ``"auto"`` None (one call
-        per shard) when every shard is on this machine, else :data:`_REMOTE_BUCKET_CAP_MB`.
-        Worked out once (it may resolve host names)."""
-        if self._resolved_bucket_cap_mb is _UNRESOLVED:
-            cap = self.bucket_cap_mb
-            if cap == "auto":
-                cap = None if all_on_this_host(self.ps_addresses) else _REMOTE_BUCKET_CAP_MB
-            self._resolved_bucket_cap_mb = cap
-        return self._resolved_bucket_cap_mb  # type: ignore[return-value]
+        per shard) when every shard is on this machine, else 0.125. Worked out once (it may
+        resolve host names)."""
+        return _link(self).resolved_bucket_cap_mb
 
-    def _bucket_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
-        """Async: the bytes per push-fetch call (``bucket_cap_mb``, raised so a step makes at
-        most ``_MAX_BUCKETS`` calls); None for one call per shard."""
-        cap_mb = self.resolved_bucket_cap_mb
-        if self.mode != "async" or cap_mb is None:
-            return None
-        total = sum(p.numel() * p.element_size() for k, p in by_key.items()
-                    if k not in sparse)
-        cap = max(1, int(cap_mb * (1 << 20)))
-        return max(cap, -(-total // _MAX_BUCKETS))
-
-    def _rows_hook(self, st: _PSState, key: str) -> Any:
-        """A forward pre-hook pulling the rows this batch looks up (sparse embeddings)."""
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not args or not isinstance(args[0], torch.Tensor):
-                return
-            rows = torch.unique(args[0].detach().reshape(-1).to(torch.int64).cpu())
-            if rows.numel() == 0:
-                return
-            values, version = st.table.pull_rows_versioned(key, rows)
-            weight = st.by_key[key]
-            with torch.no_grad():
-                weight.index_copy_(0, rows.to(weight.device),
-                                   values.to(weight.device, weight.dtype))
-            # The gradient pushed next was computed on rows of this version (the lowest seen
-            # since the last push, when micro-batches accumulate).
-            if key in st.rows_pulled:
-                version = min(version, st.base[key])
-            st.base[key] = version
-            st.rows_pulled.add(key)
-            self._sparse_rows_pulled += int(rows.numel())
-        return hook
-
-    # ------------------------------------------------------------------ the step
-    def _apply_update(self, prepared: Prepared, opt: StrategyOptimizer) -> None:
-        st: _PSState = prepared.state["ps"]
-        ost = st.opts.get(id(opt))
-        if ost is None or not ost.keys:
-            return
-        # The versions these gradients were computed on, taken before installing the fetch
-        # in flight (async prefetch; in sync mode the forward pre-hook installed it already).
-        computed_on = {k: st.base[k] for k in ost.keys}
-        self._install(st)
-        ost.steps += 1
-        grads = self._gradients(st, ost)
-        push = ost.steps % self.push_every == 0
-        fetch = self.mode == "sync" or ost.steps % self.fetch_every == 0
-        if self.push_every == 1:
-            bases = computed_on
-        else:
-            for k, g in grads.items():
-                if k not in ost.acc:
-                    ost.acc[k] = g.clone()
-                    ost.acc_base[k] = computed_on[k]  # the oldest version in the sum
-                elif g.is_sparse:
-                    ost.acc[k] = ost.acc[k] + g
-                else:
-                    ost.acc[k].add_(g)
-            grads, bases = ost.acc, ost.acc_base
-            if push:
-                ost.acc, ost.acc_base = {}, {}
-        dense = [k for k in ost.keys if k not in st.sparse]
-        # Async: the fetch rides on the push (one round trip per bucket, the values right
-        # after this push); sync fetches with the wait for the next version instead.
-        carried = dense if (fetch and self.mode == "async") else None
-        push_futs: list[tuple[str | None, PSFuture[Any]]] = []
-        if push:
-            self._sync_hyperparameters(st, ost)
-            push_futs = self._start_push(st, grads, bases, carried)
-            st.rows_pulled.clear()
-        if not push_futs and not fetch:
-            return
-        if push_futs and carried is not None:
-            fetch = False
-        # Sync: wait for the version after the one this gradient was computed on. A gradient
-        # that was dropped (a late backup worker) finds it already there.
-        targets = {k: computed_on[k] + 1 for k in ost.keys} if self.mode == "sync" else {}
-        job = (push_futs, dense if fetch else None, targets)
-        if self.prefetch:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="stratagem-ps-prefetch")
-            st.pending = self._executor.submit(self._run_job, st, *job)
-            return
-        done: concurrent.futures.Future[_Job] = concurrent.futures.Future()
-        done.set_result(self._run_job(st, *job))
-        st.pending = done
-        self._install(st)
-
-    def _gradients(self, st: _PSState, ost: _OptState) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for k, p in zip(ost.keys, ost.params, strict=True):
-            g = p.grad
-            if g is None:
-                if self.mode != "sync" or not p.requires_grad:
-                    continue
-                # Sync: every version needs a gradient from every worker for every tensor; an
-                # unused parameter contributes zeros to the mean, as under DDP.
-                g = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64),
-                                            torch.zeros(0, *p.shape[1:]), p.shape) \
-                    if k in st.sparse else torch.zeros_like(p)
-            out[k] = g.detach()
-        return out
-
-    def _spec(self, optimizer: torch.optim.Optimizer, group: int) -> dict[str, Any]:
-        """The spec the shards build ``optimizer``'s param group from (plus the strategy's
-        shard-side switches)."""
-        spec = ps_optim.optimizer_spec(optimizer, group)
-        if self.staleness_lr:
-            spec[ps_optim.STALENESS_LR] = True
-        return spec
-
-    def _sync_hyperparameters(self, st: _PSState, ost: _OptState) -> None:
-        """Send hyperparameters changed on the worker (an LR scheduler) to the shards."""
-        for gi, keys in enumerate(ost.group_keys):
-            spec = self._spec(ost.optimizer, gi)
-            if spec == ost.sent_specs[gi] or not keys:
-                continue
-            changed = {k: v for k, v in spec.items()
-                       if k != "name" and ost.sent_specs[gi].get(k) != v}
-            st.table.set_hyperparameters(keys, **changed)
-            ost.sent_specs[gi] = spec
-
-    def _start_push(self, st: _PSState, grads: dict[str, torch.Tensor],
-                    bases: dict[str, int], fetch: list[str] | None
-                    ) -> list[tuple[str | None, PSFuture[Any]]]:
-        """Encode and send the push now (the gradients may change once we return); the
-        dense push also fetches ``fetch`` when given."""
-        dense: dict[str, torch.Tensor] = {}
-        sparse: dict[str, torch.Tensor] = {}
-        for k, g in grads.items():
-            (sparse if g.is_sparse else dense)[k] = g
-        if self.compression is not None:
-            packed = self._compress(dense)
-            if packed is None:  # fp16 overflow: never push a non-finite gradient
-                self._nonfinite_pushes += 1
-                self._skipped += 1
-                if self._feedback is not None:
-                    self._feedback.discard()
-                return []
-            dense = packed
-        futs: list[tuple[str | None, PSFuture[Any]]] = []
-        if dense or fetch:
-            futs.append((None, st.table.push_fetch_async(
-                dense, {k: bases[k] for k in dense}, fetch=fetch,
-                max_request_bytes=st.bucket_bytes if fetch else None)))
-        for k, g in sparse.items():
-            g = g.coalesce()
-            futs.append((k, st.table.push_sparse_async(
-                k, g.indices()[0], g.values(), base_version=bases[k],
-                compress=self.compression)))
-        if self._feedback is not None:
-            self._feedback.commit()
-        self._pushes += 1
-        return futs
-
-    def _compress(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        from ..compression import compress
-
-        assert self.compression is not None
-        out: dict[str, torch.Tensor] = {}
-        for k, g in grads.items():
-            if not g.is_floating_point():
-                out[k] = g
-                continue
-            payload = (self._feedback.compress(k, g)[0] if self._feedback is not None
-                       else compress(g, self.compression)[0])
-            if not bool(torch.isfinite(payload).all()):
-                return None
-            out[k] = payload
-        return out
-
-    def _run_job(self, st: _PSState, push_futs: list[tuple[str | None, PSFuture[Any]]],
-                 fetch: list[str] | None, targets: dict[str, int]) -> _Job:
-        """Wait for the push, then fetch (async) or wait for the next version (sync). Runs
-        on the prefetch thread or inline; every wait is bounded by the client's deadline."""
-        outcomes: dict[str, PushOutcome] = {}
-        values: dict[str, torch.Tensor] = {}
-        versions: dict[str, int] = {}
-        for name, fut in push_futs:
-            got = fut.result()
-            if name is None:
-                outcomes.update(got.outcomes)
-                values.update(got.values)
-                versions.update(got.versions)
-            else:
-                outcomes[name] = got
-        if self.mode == "sync" and targets:
-            # A gradient that was dropped (a backup worker, late) does not make the version
-            # advance by itself: wait for the version the others produce.
-            try:
-                values, versions = st.table.wait_for(targets, fetch=fetch or [],
-                                                     timeout=self.timeout)
-            except PeerTimeoutError as exc:
-                raise self._name_missing_workers(exc) from exc
-        elif fetch:
-            values, versions = st.table.fetch_async(fetch).result()
-        return _Job(outcomes, values, versions)
-
-    def _name_missing_workers(self, exc: PeerTimeoutError) -> PeerTimeoutError:
-        """The shards only know that too few gradients arrived; the workers' heartbeats (when
-        they share a rendezvous store) tell which worker went silent."""
-        ranks, how = self.comm.silent_peers() if self.comm.store is not None else ([], "")
-        if not ranks:
-            return exc
-        return PeerTimeoutError(f"{exc}. Worker rank(s) {', '.join(map(str, ranks))} {how}.",
-                                ranks=tuple(ranks))
-
-    def _install(self, st: _PSState) -> None:
-        """Finish the push/fetch in flight and copy the fetched values into the model."""
-        fut, st.pending = st.pending, None
-        if fut is None:
-            return
-        # The job's own calls are bounded by the deadline; this bound is a backstop.
-        job = fut.result(timeout=3 * self.timeout + 10)
-        if job.outcomes:
-            # One count per push: its staleness is that of its stalest tensor.
-            self._staleness[max(int(o.staleness) for o in job.outcomes.values())] += 1
-            if any(not o.accepted for o in job.outcomes.values()):
-                self._dropped += 1
-        with torch.no_grad():
-            for k, v in job.values.items():
-                st.by_key[k].copy_(v)
-        st.base.update(job.versions)
-        self._ps.fold_bytes()
-
-    def _flush_counters(self) -> None:
-        self._ps.fold_bytes()
-
-    # ------------------------------------------------------------------ global model
     @property
     def global_version(self) -> int:
         """The highest version of the parameters this worker has received: in sync mode the
         number of global steps taken (``SyncReplicasOptimizer``'s global step). Workers with
         backup workers should stop on it rather than on a local step count. Reading it waits
         for the fetch in flight (prefetch) and installs it."""
-        for p in self._prepared:
-            self._install(p.state["ps"])
-        return max((v for p in self._prepared for v in p.state["ps"].base.values()), default=0)
+        return _link(self).global_version
 
-    def _pull_all(self, st: _PSState) -> dict[str, torch.Tensor]:
-        self._install(st)
-        if not st.by_key:
-            return {}
-        values, versions = st.table.fetch_async().result()
-        self._ps.fold_bytes()
-        return values
 
-    def eval_model(self, model: nn.Module) -> nn.Module:
-        """The user's module (never a ``torch.compile`` wrapper) with the current global
-        parameters pulled into it (sparse embedding rows are pulled by each forward anyway).
-        Not a collective: call :meth:`finalize` first at the end of training so every
-        worker's last push is included."""
-        prepared = self._find_prepared(model)
-        if prepared is None:
-            return model
-        st: _PSState = prepared.state["ps"]
-        self._install(st)
-        dense = [k for k in st.by_key if k not in st.sparse]
-        if dense:
-            values, versions = st.table.fetch_async(dense).result()
-            with torch.no_grad():
-                for k, v in values.items():
-                    st.by_key[k].copy_(v)
-            st.base.update(versions)
-            self._ps.fold_bytes()
-        return prepared.module
-
-    def _finalize(self, prepared: Prepared) -> None:
-        """Flush what this worker has not pushed yet (gradients accumulated for
-        ``push_every > 1``), wait for every worker's last push to land (a barrier over the
-        process group), then pull the global model into this worker, so that every worker,
-        ``eval_model`` and ``save`` agree. Buffers (BatchNorm running statistics), which
-        never go to the shards, are set to the chief's on every worker (one broadcast; what
-        checkpoints hold). Training may continue; a second call only pulls again."""
-        st: _PSState = prepared.state["ps"]
-        self._install(st)
-        for ost in st.opts.values():
-            if not ost.acc:
-                continue
-            grads, bases = ost.acc, ost.acc_base
-            ost.acc, ost.acc_base = {}, {}
-            self._sync_hyperparameters(st, ost)
-            futs = self._start_push(st, grads, bases, None)
-            st.rows_pulled.clear()
-            done: concurrent.futures.Future[_Job] = concurrent.futures.Future()
-            done.set_result(self._run_job(st, futs, None, {}))
-            st.pending = done
-            self._install(st)
-        self.comm.barrier()
-        self._refresh(st)
-        broadcast_buffers(self.comm, prepared.module)
-
-    def _checkpoint_model(self, prepared: Prepared) -> dict[str, torch.Tensor]:
-        st: _PSState = prepared.state["ps"]
-        # Save is a collective: every worker's last (asynchronous) push must have landed on
-        # the shards before the chief reads the global model, or the checkpoint misses it.
-        self._install(st)
-        self.comm.barrier()
-        if not self.is_chief:
-            # Only the chief's tensors are written; spare the shards a pull per worker.
-            return {k: v.detach() for k, v in prepared.module.state_dict().items()}
-        values = self._pull_all(st)
-        by_id = {id(p): values[k] for k, p in st.by_key.items()}
-        return {k: by_id.get(id(v), v).detach()
-                for k, v in prepared.module.state_dict(keep_vars=True).items()}
-
-    def _load_model(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
-        st: _PSState = prepared.state["ps"]
-        self._install(st)
-        if self._feedback is not None:
-            self._feedback.reset()  # residuals of the pre-restore trajectory do not apply
-        prepared.module.load_state_dict(state)
-        if self.is_chief and st.by_key:
-            current = st.table.get_state()
-            current["params"] = {k: p.detach() for k, p in st.by_key.items()}
-            # A gradient computed before the restore counts as one version stale.
-            current["versions"] = {k: v + 1 for k, v in current["versions"].items()}
-            st.table.set_state(current)
-        self.comm.barrier()  # nobody pulls before the chief wrote
-        self._refresh(st)
-
-    def _residuals(self, st: _PSState) -> tuple[list[str], list[torch.Tensor]]:
-        """This worker's committed error-feedback residual per dense tensor it pushes (zeros
-        where there is none yet), by table key."""
-        assert self._feedback is not None
-        names = [k for k, p in st.by_key.items() if k not in st.sparse]
-        tensors = []
-        for k in names:
-            r = self._feedback.residual(k)
-            p = st.by_key[k]
-            tensors.append(r if r is not None and r.shape == p.shape else torch.zeros_like(p))
-        return names, tensors
-
-    def _strategy_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
-        """With ``error_feedback``: every worker's residuals (what its compressed pushes have
-        not delivered yet), per rank, so a resume with as many workers continues exactly
-        (collective, as ``save`` is)."""
-        out = super()._strategy_state(prepared)
-        if self._feedback is not None:
-            st: _PSState = prepared.state["ps"]
-            self._install(st)
-            names, tensors = self._residuals(st)
-            out.update(gather_ranks(self.comm, names, tensors, _EF_KEY))
-        return out
-
-    def _load_strategy_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
-        """Seed this worker's residuals from the checkpoint when it was written by as many
-        workers with ``error_feedback`` (else they start at zero, as before)."""
-        super()._load_strategy_state(prepared, state)
-        if self._feedback is None:
-            return
-        st: _PSState = prepared.state["ps"]
-        names = [k for k in st.by_key if k not in st.sparse]
-        fresh = [torch.zeros_like(st.by_key[k]) for k in names]
-        if load_rank(state, _EF_KEY, self.comm.rank, self.comm.world_size, names, fresh):
-            for k, t in zip(names, fresh, strict=True):
-                self._feedback.seed(k, t)
-
-    def _refresh(self, st: _PSState) -> None:
-        if not st.by_key:
-            return
-        values, versions = st.table.fetch_async().result()
-        with torch.no_grad():
-            for k, v in values.items():
-                st.by_key[k].copy_(v)
-        st.base.update(versions)
-        for ost in st.opts.values():
-            ost.acc, ost.acc_base = {}, {}
-        self._ps.fold_bytes()
-
-    def _find_opt(self, opt: torch.optim.Optimizer) -> tuple[_PSState, _OptState] | None:
-        for prepared in self._prepared:
-            st: _PSState = prepared.state["ps"]
-            for o in prepared.optimizers:
-                if o is opt or o.optimizer is opt:
-                    return st, st.opts[id(o)]
-        return None
-
-    def _optimizer_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
-        """The shards' optimizer state in torch's ``state_dict`` format (indices in
-        param-group order), so any strategy can load it."""
-        found = self._find_opt(opt)
-        sd = opt.state_dict()
-        if found is None or not self.is_chief:
-            return sd  # only the chief's optimizer state is written
-        st, ost = found
-        self._install(st)
-        shard = st.table.get_state()["optimizer"]
-        self._ps.fold_bytes()
-        index = 0
-        state: dict[int, dict[str, Any]] = {}
-        keys_by_id = {id(p): k for k, p in zip(ost.keys, ost.params, strict=True)}
-        for group in opt.param_groups:
-            for p in group["params"]:
-                k = keys_by_id.get(id(p))
-                if k is not None and shard.get(k):
-                    state[index] = dict(shard[k])
-                index += 1
-        return {"state": state, "param_groups": sd["param_groups"]}
-
-    def _load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        found = self._find_opt(opt)
-        opt.load_state_dict(state)  # hyperparameters (and the state, moved to the shards)
-        if found is None:
-            return
-        st, ost = found
-        self._install(st)
-        loaded = dict(opt.state)
-        opt.state.clear()  # the worker keeps no optimizer state
-        if self.is_chief:
-            per_key = {ost.keys[i]: {k: v for k, v in loaded.get(p, {}).items()
-                                     if isinstance(v, torch.Tensor)}
-                       for i, p in enumerate(ost.params)}
-            for gi, keys in enumerate(ost.group_keys):
-                spec = self._spec(opt.optimizer if isinstance(
-                    opt, StrategyOptimizer) else opt, gi)
-                ost.sent_specs[gi] = spec
-                st.table.set_optimizer_specs(dict.fromkeys(keys, spec))
-            current = st.table.get_state()
-            current["optimizer"] = {**current["optimizer"], **per_key}
-            current["versions"] = {k: v + 1 for k, v in current["versions"].items()}
-            st.table.set_state(current)
-        else:
-            for gi in range(len(ost.group_keys)):
-                ost.sent_specs[gi] = self._spec(opt.optimizer if isinstance(
-                    opt, StrategyOptimizer) else opt, gi)
-        self.comm.barrier()
-        self._refresh(st)
-
-    # ------------------------------------------------------------------ misc
-    def _extra_metrics(self) -> dict[str, Any]:
-        pushes = sum(self._staleness.values())
-        out: dict[str, Any] = {
-            "staleness": dict(sorted(self._staleness.items())),
-            # The mean over this worker's pushes: what prefetch/overlap cost in freshness.
-            "staleness_mean": (sum(k * n for k, n in self._staleness.items()) / pushes
-                               if pushes else 0.0),
-            "dropped_gradients": self._dropped,
-            "pushes": self._pushes,
-            "nonfinite_pushes_skipped": self._nonfinite_pushes,
-            "sparse_rows_pulled": self._sparse_rows_pulled,
-            **self._ps.metrics(),
-        }
-        return out
-
-    def close(self) -> None:
-        """Finish what is in flight (bounded), remove the hooks, close the channels."""
-        for prepared in self._prepared:
-            st = prepared.state.get("ps")
-            if st is None:
-                continue
-            try:
-                self._install(st)
-            except Exception:  # noqa: BLE001 - closing must not fail on a dead shard
-                pass
-            for h in st.hooks:
-                h.remove()
-            st.hooks = []
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
-        self._ps.close()
-        super().close()
+def _link(strategy: ParameterServer) -> ParameterServerLink:
+    return cast(ParameterServerLink, strategy.parts[0])
 
 
 def _check_count(name: str, value: Any) -> int:

@@ -1,0 +1,446 @@
+"""The one place stratagem uses torchft beyond its public API.
+
+Every other module of stratagem talks to torchft through its public API only (``Manager``'s
+public methods, ``ProcessGroupGloo``, ``LighthouseServer``, ``CheckpointTransport``) and
+through the small functions here. What this module does that torchft does not offer:
+
+- it builds ``torchft.Manager``'s manager server on one host and under an exact replica id,
+  by replacing the module global ``torchft.manager.ManagerServer`` while a manager is built
+  (:func:`build_manager`, :func:`manager_server_on`);
+- it commits an elided transaction (``stratagem.ft.comm``'s "Quorum elision") by doing the
+  step bookkeeping of ``Manager.should_commit`` itself, writing the manager's private
+  counters (:func:`commit_bookkeeping`), which is safe only while ``should_commit`` still
+  keeps exactly those counters (:func:`should_commit_is_elidable`, read from its bytecode
+  names);
+- it reads the manager's private quorum id (:func:`quorum_id`);
+- it hosts the reconfigurable gloo group's rendezvous store itself, on one host, by setting
+  the group's private ``_rendezvous_store`` before torchft's ``get_reconfigure_handle``
+  would create one on every interface (:func:`bound_gloo_group`).
+
+:data:`RELIANCES` lists each private symbol relied on: what is expected of it, why, and the
+public torchft hook that would make the workaround unnecessary (also in
+``docs/design/torchft-boundary.md``). :func:`check_contract` checks them all against the
+installed torchft. At run time a broken reliance never goes unnoticed: the manager server
+and the gloo store (which would otherwise listen on every interface) raise
+:class:`TorchftContractError`; quorum elision and the quorum-id cache fall back (every step
+asks for a quorum; the live slots are gathered at every call) with a
+:class:`TorchftContractWarning` naming the symbol.
+
+torchft is an optional dependency: importing this module does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import json
+import threading
+import types
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from .._rendezvous import bound_tcp_store, bracket_host
+from ..errors import StratagemError
+
+__all__ = ["RELIANCES", "Reliance", "ServerInstall", "TorchftContractError",
+           "TorchftContractWarning", "bound_gloo_group", "build_manager", "check_contract",
+           "commit_bookkeeping", "manager_server_on", "problems_for", "quorum_id",
+           "should_commit_is_elidable"]
+
+#: What in stratagem depends on a reliance (:attr:`Reliance.feature`).
+MANAGER_SERVER = "manager-server"  #: the manager server bound to one host, under an exact id
+ELISION = "quorum-elision"  #: a transaction committed without torchft's quorum and vote
+QUORUM_ID = "quorum-id"  #: the live slots cached until the quorum changes
+GLOO_STORE = "gloo-store"  #: the gloo group's rendezvous store bound to one host
+
+
+class TorchftContractError(StratagemError):
+    """The installed torchft no longer has a private symbol stratagem relies on, where
+    going on without it would be unsafe (a server listening on every interface)."""
+
+
+class TorchftContractWarning(UserWarning):
+    """The installed torchft no longer has a private symbol stratagem relies on; stratagem
+    falls back to a slower path that needs only torchft's public API."""
+
+
+@dataclass(frozen=True)
+class Reliance:
+    """One private torchft symbol (or signature) stratagem relies on.
+
+    ``kind`` says what :func:`check_contract` inspects on the object ``module``.``obj``
+    (``obj`` empty: the module itself):
+
+    - ``"attribute"``: the object has the attributes ``expects``;
+    - ``"names"``: its code (unwrapped) refers to each of ``expects`` among its bytecode
+      names (``co_names``: attributes and globals it loads or stores);
+    - ``"keywords"``: its code makes a call passing all of ``expects`` as keywords;
+    - ``"constants"``: its code holds each of ``expects`` as a string constant.
+    """
+
+    symbol: str  #: the exact torchft symbol, as :func:`check_contract` reports it
+    kind: str
+    module: str
+    obj: str
+    expects: tuple[str, ...]
+    feature: str  #: what in stratagem breaks without it (MANAGER_SERVER, ELISION, ...)
+    why: str  #: why stratagem needs it
+    hook: str  #: the public torchft API that would make the workaround unnecessary
+
+    @property
+    def target(self) -> str:
+        """The dotted name of the object inspected."""
+        return f"{self.module}.{self.obj}" if self.obj else self.module
+
+
+_SERVER_HOOK = ("a `bind` (host:port) argument to torchft.Manager for its manager server, "
+                "and a way to give it the exact replica id (no uuid appended)")
+_COMMIT_HOOK = ("a public Manager method that records a step committed (or failed) by the "
+                "caller without the manager server's vote, e.g. "
+                "Manager.commit_local(ok: bool, participants: int)")
+
+#: Every private torchft symbol stratagem relies on (see the module docstring).
+RELIANCES: tuple[Reliance, ...] = (
+    Reliance(
+        symbol="torchft.manager.ManagerServer", kind="attribute", module="torchft.manager",
+        obj="", expects=("ManagerServer",), feature=MANAGER_SERVER,
+        why="replaced while a Manager is built, so that its manager server binds the job's "
+            "host instead of every interface ([::]) and keeps a replacement's exact replica id",
+        hook=_SERVER_HOOK),
+    Reliance(
+        symbol="torchft.manager.Manager.__init__", kind="names", module="torchft.manager",
+        obj="Manager.__init__", expects=("ManagerServer",), feature=MANAGER_SERVER,
+        why="the replacement of torchft.manager.ManagerServer takes effect only while "
+            "Manager.__init__ looks the server class up as a module global when it runs",
+        hook=_SERVER_HOOK),
+    Reliance(
+        symbol="torchft.manager.ManagerServer(bind=, replica_id=)", kind="keywords",
+        module="torchft.manager", obj="Manager.__init__", expects=("bind", "replica_id"),
+        feature=MANAGER_SERVER,
+        why="the replacement overrides the `bind` and `replica_id` keywords Manager.__init__ "
+            "passes to ManagerServer (it takes keywords only)",
+        hook=_SERVER_HOOK),
+    Reliance(
+        symbol="torchft.manager.Manager._step", kind="names", module="torchft.manager",
+        obj="Manager.should_commit", expects=("_step",), feature=ELISION,
+        why="an elided commit advances the step count as should_commit does",
+        hook=_COMMIT_HOOK),
+    Reliance(
+        symbol="torchft.manager.Manager._batches_committed", kind="names",
+        module="torchft.manager", obj="Manager.should_commit", expects=("_batches_committed",),
+        feature=ELISION,
+        why="an elided commit adds the quorum's size to the batches committed as "
+            "should_commit does",
+        hook=_COMMIT_HOOK),
+    Reliance(
+        symbol="torchft.manager.Manager._commit_failures", kind="names",
+        module="torchft.manager", obj="Manager.should_commit", expects=("_commit_failures",),
+        feature=ELISION,
+        why="an elided commit resets (or counts) consecutive commit failures as "
+            "should_commit does",
+        hook=_COMMIT_HOOK),
+    Reliance(
+        symbol="torchft.manager.Manager._checkpoint_transport", kind="names",
+        module="torchft.manager", obj="Manager.should_commit",
+        expects=("_checkpoint_transport",), feature=ELISION,
+        why="an elided commit closes the heal window of the manager's checkpoint transport "
+            "as should_commit does",
+        hook=_COMMIT_HOOK),
+    Reliance(
+        symbol="torchft.checkpointing.CheckpointTransport.disallow_checkpoint", kind="names",
+        module="torchft.manager", obj="Manager.should_commit",
+        expects=("disallow_checkpoint",), feature=ELISION,
+        why="should_commit must still close the heal window through the transport's "
+            "disallow_checkpoint, which an elided commit calls in its place",
+        hook=_COMMIT_HOOK),
+    Reliance(
+        symbol="torchft.manager.Manager._quorum_id", kind="names", module="torchft.manager",
+        obj="Manager._async_quorum", expects=("_quorum_id",), feature=QUORUM_ID,
+        why="FaultTolerantComm.live_slots caches the quorum's slots until the quorum id "
+            "(updated by each quorum) changes",
+        hook="a public Manager.quorum_id() accessor"),
+    Reliance(
+        symbol="torchft.process_group.ProcessGroup._rendezvous_store", kind="names",
+        module="torchft.process_group", obj="ProcessGroup.get_reconfigure_handle",
+        expects=("_rendezvous_store",), feature=GLOO_STORE,
+        why="set before get_reconfigure_handle runs, so that the group's rendezvous store is "
+            "stratagem's, bound to the job's host, not a TCPStore on every interface",
+        hook="a `store`/`host` argument to the reconfigurable process groups for their "
+             "rendezvous store"),
+    Reliance(
+        symbol="torchft.process_group.ProcessGroup.get_reconfigure_handle", kind="constants",
+        module="torchft.process_group", obj="ProcessGroup.get_reconfigure_handle",
+        expects=("store",), feature=GLOO_STORE,
+        why="its JSON handle's 'store' entry is rewritten to advertise the job's host instead "
+            "of socket.gethostname()",
+        hook="a `store`/`host` argument to the reconfigurable process groups for their "
+             "rendezvous store"),
+)
+
+
+# ---------------------------------------------------------------------- the check
+def _resolve(module: str, obj: str) -> Any:
+    target: Any = importlib.import_module(module)
+    for part in filter(None, obj.split(".")):
+        target = getattr(target, part)
+    return target
+
+
+def _code(target: Any) -> types.CodeType | None:
+    code = getattr(inspect.unwrap(target), "__code__", None)
+    return code if isinstance(code, types.CodeType) else None
+
+
+def _string_constants(code: types.CodeType) -> Iterator[Any]:
+    """The constants of ``code``, the items of its tuple constants (keyword names, constant
+    dict keys) included."""
+    for const in code.co_consts:
+        yield const
+        if isinstance(const, tuple):
+            yield from const
+
+
+def _check(reliance: Reliance) -> str | None:
+    """What is wrong with ``reliance`` in the installed torchft, or None."""
+    try:
+        target = _resolve(reliance.module, reliance.obj)
+    except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError
+        return (f"cannot inspect {reliance.target} ({type(exc).__name__}: {exc}); it is "
+                f"where this is checked")
+    if reliance.kind == "attribute":
+        missing = [n for n in reliance.expects if not hasattr(target, n)]
+        return (f"attribute missing from {reliance.target} (expected: {', '.join(missing)})"
+                if missing else None)
+    code = _code(target)
+    if code is None:
+        return f"{reliance.target} has no Python code to inspect"
+    if reliance.kind == "names":
+        missing = [n for n in reliance.expects if n not in code.co_names]
+        return (f"{reliance.target} no longer refers to {', '.join(missing)} (expected among "
+                f"its bytecode names)" if missing else None)
+    if reliance.kind == "keywords":
+        wanted = set(reliance.expects)
+        if any(isinstance(c, tuple) and wanted <= set(c) for c in code.co_consts):
+            return None
+        kw = ", ".join(f"{n}=" for n in reliance.expects)
+        return f"{reliance.target} makes no call with the keywords {kw}"
+    if reliance.kind == "constants":
+        consts = {c for c in _string_constants(code) if isinstance(c, str)}
+        missing = [n for n in reliance.expects if n not in consts]
+        return (f"{reliance.target} no longer holds the constant(s) "
+                f"{', '.join(repr(n) for n in missing)}" if missing else None)
+    raise ValueError(f"unknown kind of reliance {reliance.kind!r} for {reliance.symbol}")
+
+
+def _problem(reliance: Reliance, detail: str) -> str:
+    return f"{reliance.symbol}: {detail} [stratagem needs it: {reliance.why}]"
+
+
+def problems_for(feature: str | None = None) -> list[str]:
+    """:func:`check_contract` restricted to the reliances of one ``feature``."""
+    try:
+        importlib.import_module("torchft")
+    except ImportError as exc:
+        return [f"torchft: not importable ({exc}). Fix: pip install 'stratagem[ft]'"]
+    problems = []
+    for reliance in RELIANCES:
+        if feature is not None and reliance.feature != feature:
+            continue
+        detail = _check(reliance)
+        if detail is not None:
+            problems.append(_problem(reliance, detail))
+    return problems
+
+
+def check_contract() -> list[str]:
+    """What the installed torchft lacks of :data:`RELIANCES`: one human-readable line per
+    broken reliance, starting with the exact symbol (``"<symbol>: <what changed> [...]"``);
+    empty when it matches."""
+    return problems_for(None)
+
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(feature: str, problems: list[str], fallback: str) -> None:
+    with _warn_lock:
+        if feature in _warned:
+            return
+        _warned.add(feature)
+    warnings.warn(f"stratagem: the installed torchft does not match what {feature} relies on; "
+                  f"{fallback}. " + "; ".join(problems), TorchftContractWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------- manager server
+@dataclass
+class ServerInstall:
+    """What :func:`manager_server_on` saw: how many manager servers it built."""
+
+    built: int = 0
+
+
+#: Serialises the construction of managers (the manager-server rebinding replaces a module
+#: attribute; tests build several managers at once in threads).
+_MANAGER_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def manager_server_on(host: str, replica_id: str | None = None) -> Iterator[ServerInstall]:
+    """While open, torchft builds its manager server on ``host`` instead of every interface
+    (``[::]``), with ``replica_id`` under that exact id (torchft appends a fresh uuid to the
+    one it is given). Holds a lock: one manager is built at a time. Raises
+    :class:`TorchftContractError` naming the symbol when the installed torchft lacks what
+    this relies on (the server would listen on every interface)."""
+    problems = problems_for(MANAGER_SERVER)
+    if problems:
+        raise TorchftContractError(
+            "cannot bind torchft's manager server to one host with the installed torchft "
+            "(it would listen on every interface). Fix: install the torchft version "
+            "stratagem is tested with (pyproject's [ft] extra). " + "; ".join(problems))
+    import torchft.manager as tm
+
+    with _MANAGER_LOCK:
+        original = tm.ManagerServer
+        install = ServerInstall()
+
+        def bound(**kwargs: Any) -> Any:
+            kwargs["bind"] = f"{bracket_host(host)}:0"
+            if replica_id is not None:
+                kwargs["replica_id"] = replica_id
+            install.built += 1
+            return original(**kwargs)
+
+        tm.ManagerServer = bound  # type: ignore[misc, assignment]
+        try:
+            yield install
+        finally:
+            tm.ManagerServer = original  # type: ignore[misc]
+
+
+def build_manager(*, server_host: str | None, server_replica_id: str | None = None,
+                  **kwargs: Any) -> Any:
+    """``torchft.Manager(**kwargs)``; with ``server_host`` (the process that builds the
+    replica group's manager server) inside :func:`manager_server_on` ``(server_host,
+    server_replica_id)``, and checked: a manager whose server was built some other way (listening
+    on every interface) is shut down and :class:`TorchftContractError` raised."""
+    from torchft import Manager
+
+    if server_host is None:
+        return Manager(**kwargs)
+    with manager_server_on(server_host, server_replica_id) as install:
+        manager = Manager(**kwargs)
+    if not install.built:
+        with contextlib.suppress(Exception):
+            manager.shutdown(wait=False)
+        raise TorchftContractError(
+            "torchft.manager.ManagerServer: torchft.Manager built its manager server without "
+            "going through torchft.manager.ManagerServer, so it was not bound to "
+            f"{server_host!r} (torchft binds every interface); shut down. Fix: install the "
+            "torchft version stratagem is tested with (pyproject's [ft] extra)")
+    return manager
+
+
+# ---------------------------------------------------------------------- commit bookkeeping
+@functools.cache
+def should_commit_is_elidable() -> bool:
+    """Whether an elided transaction may be committed by :func:`commit_bookkeeping`: the
+    installed ``Manager.should_commit`` still keeps the step bookkeeping it replicates (its
+    bytecode names). False without torchft; False with a :class:`TorchftContractWarning`
+    naming the changed symbols when they differ (then every step asks for a quorum)."""
+    try:
+        importlib.import_module("torchft")
+    except ImportError:
+        return False
+    problems = problems_for(ELISION)
+    if problems:
+        _warn_once(ELISION, problems, "quorum elision is off (every step asks for a quorum)")
+        return False
+    return True
+
+
+def commit_bookkeeping(manager: Any, *, committed: bool, participants: int) -> None:
+    """What ``manager.should_commit`` records after its vote, for a vote stratagem took
+    itself (a replica group of one process that skipped the quorum): the heal window
+    closes; a committed step advances the step count and the batches committed
+    (``participants`` replicas each) and resets the failures; a failed one counts a
+    failure. Raises :class:`TorchftContractError` where :func:`should_commit_is_elidable`
+    is False (the caller must not have skipped the quorum)."""
+    if not should_commit_is_elidable():
+        raise TorchftContractError(
+            "an elided commit needs what torchft.manager.Manager.should_commit records: "
+            + "; ".join(problems_for(ELISION) or ["torchft is not importable"]))
+    manager._checkpoint_transport.disallow_checkpoint()
+    if committed:
+        manager._step += 1
+        manager._batches_committed += participants
+        manager._commit_failures = 0
+    else:
+        manager._commit_failures += 1
+
+
+# ---------------------------------------------------------------------- quorum id
+@functools.cache
+def _quorum_id_readable() -> bool:
+    problems = problems_for(QUORUM_ID)
+    if problems:
+        _warn_once(QUORUM_ID, problems,
+                   "the live slots are gathered at every call instead of cached")
+        return False
+    return True
+
+
+def quorum_id(manager: Any) -> int | None:
+    """The id of ``manager``'s current quorum (torchft changes it whenever membership
+    changes), or None when the installed torchft does not keep it where expected (then
+    with a :class:`TorchftContractWarning` naming the symbol): cache nothing on it."""
+    if not _quorum_id_readable():
+        return None
+    value = getattr(manager, "_quorum_id", None)
+    if value is None:
+        _warn_once(QUORUM_ID, ["torchft.manager.Manager._quorum_id: attribute missing from "
+                               "the manager"],
+                   "the live slots are gathered at every call instead of cached")
+        return None
+    return int(value)
+
+
+# ---------------------------------------------------------------------- gloo group
+def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
+    """torchft's reconfigurable gloo group (``ProcessGroupGloo``) whose rendezvous store is
+    :func:`~stratagem._rendezvous.bound_tcp_store` on ``host``, advertised as ``host``
+    (see :func:`stratagem.ft.comm.loopback_gloo_group`). Raises
+    :class:`TorchftContractError` naming the symbol when the installed torchft lacks what
+    this relies on (its store would listen on every interface)."""
+    problems = problems_for(GLOO_STORE)
+    if problems:
+        raise TorchftContractError(
+            "cannot bind the gloo group's rendezvous store to one host with the installed "
+            "torchft (it would listen on every interface). Fix: install the torchft version "
+            "stratagem is tested with (pyproject's [ft] extra). " + "; ".join(problems))
+    from torchft import ProcessGroupGloo
+
+    class _BoundGloo(ProcessGroupGloo):  # type: ignore[misc]
+        def get_reconfigure_handle(self) -> str:
+            if getattr(self, "_rendezvous_store", None) is None:
+                self._rendezvous_store = bound_tcp_store(
+                    host, 0, timeout=timedelta(seconds=max(timeout.total_seconds(), 30.0)))
+            port = self._rendezvous_store.port
+            handle = json.loads(super().get_reconfigure_handle())
+            advertised = handle.get("store") if isinstance(handle, dict) else None
+            if not isinstance(advertised, str) or not advertised.endswith(f":{port}"):
+                raise TorchftContractError(
+                    "torchft.process_group.ProcessGroup._rendezvous_store: torchft's "
+                    "get_reconfigure_handle did not advertise the rendezvous store stratagem "
+                    f"hosts on {host!r} (port {port}; its handle's 'store': {advertised!r}). "
+                    "Fix: install the torchft version stratagem is tested with (pyproject's "
+                    "[ft] extra)")
+            handle["store"] = f"{bracket_host(host)}:{port}"
+            return json.dumps(handle)
+
+    return _BoundGloo(timeout=timeout)
