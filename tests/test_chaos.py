@@ -129,7 +129,7 @@ def test_killed_shard_raises_and_a_restarted_shard_resumes_from_the_checkpoint(t
         opt.zero_grad()
         server = ShardServer("127.0.0.1", port)  # the replacement, at the same address
         server.start()
-        s._ps.connect().wait_ready(timeout=10)
+        s.parts[0].ps.connect().wait_ready(timeout=10)
         s.restore(tmp_path / "ck", model=model, optimizer=opt)
         got = s.eval_model(model)
         for k, v in got.state_dict().items():

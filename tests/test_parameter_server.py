@@ -144,7 +144,7 @@ def test_async_buckets_equal_one_call_per_shard(optimizer):
         try:
             s = _ps(addrs, bucket_cap_mb=cap, small_tensor_bytes=64)
             got, metrics = train(s, data, steps=6, optimizer=optimizer, lr=0.05)
-            calls[cap] = s._ps.connect().stats()["calls"]
+            calls[cap] = s.parts[0].link.connect().stats()["calls"]
             s.close()
         finally:
             for server in servers:
@@ -177,7 +177,7 @@ def test_bucket_cap_mb_default_by_link(shards):
             s = _ps(addrs, small_tensor_bytes=64, **({} if cap == "auto" else
                                                      {"bucket_cap_mb": cap}))
             train(s, data, steps=4, lr=0.05)
-            calls[cap] = s._ps.connect().stats()["calls"]
+            calls[cap] = s.parts[0].link.connect().stats()["calls"]
             s.close()
         finally:
             for server in servers:
@@ -197,7 +197,7 @@ def test_staleness_lr_reaches_the_shards_and_survives_an_lr_schedule(shards):
     assert all(spec.get("staleness_lr") is True for spec in st.table._specs.values())
     opt = next(iter(st.opts.values()))
     opt.optimizer.param_groups[0]["lr"] = 0.01
-    s._sync_hyperparameters(st, opt)
+    s.parts[0]._sync_hyperparameters(st, opt)
     assert all(spec == {**spec, "lr": 0.01, "staleness_lr": True}
                for spec in st.table._specs.values())
     s.close()
@@ -369,7 +369,7 @@ def _bag_run(strategy, sparse: bool, steps: int = 6):
              + after["bytes_received"] - before["bytes_received"])
     # The global model (local embedding rows are refreshed only when looked up).
     state = {k: v.detach().clone() for k, v in
-             strategy._checkpoint_model(strategy._find_prepared(model)).items()}
+             strategy.model_state(model).items()}
     strategy.close()
     return state, moved
 
@@ -729,7 +729,7 @@ def test_error_feedback_residuals_resume_exactly(tmp_path):
             _steps(s, m, o, data, steps, offset=offset)
             if save:
                 s.save(tmp_path / "ef", model=m, optimizer=o)
-            residuals = {k: v.clone() for k, v in zip(*s._residuals(s._prepared[0].state["ps"]))}
+            residuals = {k: v.clone() for k, v in zip(*s.parts[0]._residuals(s._prepared[0].state["ps"]))}
             s.finalize(m)
             final = {k: v.detach().clone() for k, v in s.unwrap(m).state_dict().items()}
             s.close()

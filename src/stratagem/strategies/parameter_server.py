@@ -20,7 +20,6 @@ parameters and gradients only. Transport, placement and the shard side are
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,9 +38,6 @@ __all__ = ["ParameterServer"]
 _MODES = ("async", "sync")
 #: The base's default ``timeout`` (the part needs it when the plan is declared, which the base
 #: does before it sets ``self.timeout``).
-_DEFAULT_TIMEOUT = inspect.signature(Strategy.__init__).parameters["timeout"].default
-
-
 class ParameterServer(Strategy):
     """Parameters on parameter-server shards; workers push gradients and pull parameters.
 
@@ -215,7 +211,7 @@ class ParameterServer(Strategy):
         self.fetch_every = fetch_every
         self.max_staleness = max_staleness
         # None: every replica (resolved by the part over the Comm; see replicas_to_aggregate).
-        self._replicas_to_aggregate = replicas_to_aggregate
+        self.given_replicas_to_aggregate = replicas_to_aggregate
         self.partitioner = partitioner
         self.small_tensor_bytes = small_tensor_bytes
         self.compression = compression
@@ -224,16 +220,15 @@ class ParameterServer(Strategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.staleness_lr = staleness_lr
         # plan() runs inside super().__init__, before it sets self.timeout.
-        self._part_timeout = float(common.get("timeout", _DEFAULT_TIMEOUT))
         super().__init__(**common)
 
     def plan(self) -> Plan:
         """One part: this worker's link to the shards (:class:`~stratagem.ps.part.
         ParameterServerLink`), which applies every step there."""
         return Plan(ParameterServerLink.spec(
-            mode=self.mode, ps_addresses=self.ps_addresses, timeout=self._part_timeout,
+            mode=self.mode, ps_addresses=self.ps_addresses, timeout=self.timeout,
             push_every=self.push_every, fetch_every=self.fetch_every,
-            max_staleness=self.max_staleness, replicas_to_aggregate=self._replicas_to_aggregate,
+            max_staleness=self.max_staleness, replicas_to_aggregate=self.given_replicas_to_aggregate,
             partitioner=self.partitioner, small_tensor_bytes=self.small_tensor_bytes,
             compression=self.compression, error_feedback=self.error_feedback,
             prefetch=self.prefetch, staleness_lr=self.staleness_lr,

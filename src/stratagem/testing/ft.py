@@ -33,11 +33,17 @@ from .._rendezvous import loopback_tcp_store
 from ..ft.comm import FaultTolerantComm
 from ..ft.launch import QuorumService
 
-__all__ = ["run_replicas", "ReplicaFaults", "ReplicaDied"]
+__all__ = ["run_replicas", "ReplicaFaults", "ReplicaDied", "ReplicasStopped"]
 
 
 class ReplicaDied(Exception):
     """Raised in a replica's thread at the step where :meth:`ReplicaFaults.fail_at` kills it."""
+
+
+class ReplicasStopped(Exception):
+    """Raised in every replica's thread at its next step once another replica raised: the
+    run is over, and no replica may keep training (or sit in a collective) in the background
+    after :func:`run_replicas` returned (a gloo thread alive at interpreter exit aborts it)."""
 
 
 class ReplicaFaults:
@@ -49,6 +55,7 @@ class ReplicaFaults:
         self._fail: dict[int, set[int]] = {}
         self.restart = True
         self.deaths: list[tuple[int, int]] = []
+        self.stopped = False
         self._lock = threading.Lock()
 
     def fail_at(self, slot: int, step: int, *, restart: bool = True) -> ReplicaFaults:
@@ -66,6 +73,8 @@ class ReplicaFaults:
 
     def check(self, comm: FaultTolerantComm, step: int) -> None:
         """Call at the end of each step: dies here if declared (see the class docstring)."""
+        if self.stopped:
+            raise ReplicasStopped(f"replica {comm.replica}: another replica failed")
         slot = comm.slot
         replica, rank = comm.replica, comm.replica_group_rank
         with self._lock:
@@ -126,6 +135,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 if group_size > 1 else None, quorum_every=quorum_every,
                 quorum_timeout=quorum_timeout)
             results[slot * group_size + rank] = fn(comm, *args)
+        except ReplicasStopped:
+            pass
         except ReplicaDied:
             if comm is not None:
                 comm.kill()
@@ -158,6 +169,11 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 break
             time.sleep(0.02)
         if errors:
+            if faults is not None:  # the others stop at their next step (bounded wait)
+                faults.stopped = True
+                stop_by = time.monotonic() + 20.0
+                for t in list(threads):
+                    t.join(timeout=max(0.0, stop_by - time.monotonic()))
             slot, exc, tb = sorted(errors, key=lambda e: e[0])[0]
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(raised on replica {slot})\n{tb}")
