@@ -36,7 +36,8 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import stratagem as sg
 
     torch.set_num_threads(1)
-    strategy = sg.Mirrored(bucket_cap_mb=cfg["bucket_cap_mb"])  # initialises the default group
+    strategy = sg.Mirrored(bucket_cap_mb=cfg["bucket_cap_mb"])
+    _ = strategy.comm  # joins the job (the default group) now: the Comm is joined on first use
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(cfg["batch"], 784, generator=gen)
