@@ -8,6 +8,8 @@ A strategy is "these parts, in this order" (its ``plan()``): ``Mirrored`` is
 ``Hierarchical`` a :class:`NodePlan` of an inner plan on a node's Comm and an outer plan
 across nodes. A strategy's capabilities are its parts' (:class:`Capability`). Each part is
 testable alone with a Comm of threads (:func:`stratagem.testing.run_ranks`).
+``stratagem.parts.fsdp.FSDPSharding`` (FSDP2) is imported from its module: torch's FSDP
+modules cost most of a second to import, which no other strategy should pay.
 """
 
 from .averaging import ParameterAveraging

@@ -2,15 +2,9 @@
 parameters kept on parameter-server shards, gradients pushed to them and parameters fetched
 back.
 
-Dean et al., "Large Scale Distributed Deep Networks", NeurIPS 2012 (Downpour SGD): the
-parameters live on parameter-server shards, each worker computes gradients on its copy,
-pushes them (every ``push_every`` steps, accumulated in between) and fetches fresh parameters
-(every ``fetch_every`` steps); the shards apply each gradient as it arrives, whatever version
-of the parameters it was computed on. ``max_staleness`` drops gradients computed on
-parameters more than that many versions old (TensorFlow's ``DropStaleGradientOptimizer``).
-``mode="sync"`` is TensorFlow's ``SyncReplicasOptimizer`` (each version is the previous one
-updated with the mean of ``replicas_to_aggregate`` gradients computed on it; late gradients of
-backup workers are dropped).
+Downpour SGD (Dean et al., "Large Scale Distributed Deep Networks", NeurIPS 2012) and
+synchronous replicas with backup workers: the algorithms and their arguments are described
+in :mod:`stratagem.strategies.parameter_server`; this part is their mechanism.
 
 The part replaces the optimizer's step (:meth:`ParameterServerLink.apply_update`: the update
 rule runs on the shards, :mod:`stratagem.ps.optim`), keeps the model to save and evaluate on
