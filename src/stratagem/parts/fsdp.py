@@ -280,7 +280,7 @@ class FSDPSharding(Part):
                   ) -> dict[str, torch.Tensor]:
         """Whole tensors: each shard all-gathered (a collective), tied names sharing one
         tensor. What a composed strategy keeps and evaluates; ``Sharded`` itself checkpoints
-        the shards instead (``Sharded._checkpoint_model``)."""
+        the shards instead (:meth:`saved_model`, standalone)."""
         seen: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, value in state.items():
