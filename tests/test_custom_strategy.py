@@ -9,7 +9,6 @@ part's hooks, with no strategy-specific code elsewhere.
 from __future__ import annotations
 
 import ast
-import time
 from pathlib import Path
 
 import pytest
@@ -120,10 +119,9 @@ def test_with_momentum_zero_it_is_easgd_exactly():
             torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
 
 
-def _train_slowly(comm, steps, faults):
-    """test_ft's loop with 20 ms of "compute" per step: the survivors keep training while the
-    killed replica's replacement starts (seconds on a loaded machine), so it always finds a
-    live peer to heal from."""
+def _train_ft(comm, steps, faults):
+    """test_ft's loop with the new strategy (``faults.check`` holds the survivors until a
+    killed replica's replacement asks for its first quorum, so it finds a peer to heal from)."""
     from test_ft import Net, _data
 
     strategy = ElasticMomentum(comm=comm, period=2)
@@ -143,7 +141,6 @@ def _train_slowly(comm, steps, faults):
             opt.zero_grad()
             losses.append(loss.item())
             faults.check(comm, strategy.steps)
-            time.sleep(0.02)
             if strategy.steps >= steps:
                 break
     strategy.finalize(model)
@@ -156,12 +153,12 @@ def test_it_trains_fault_tolerant_and_a_killed_replica_is_healed_bitwise():
     from stratagem.testing.ft import ReplicaFaults, run_replicas
 
     faults = ReplicaFaults().fail_at(1, 6)
-    results = run_replicas(_train_slowly, 3, args=(60, faults), faults=faults, deadline=150)
+    results = run_replicas(_train_ft, 3, args=(24, faults), faults=faults, deadline=150)
     assert faults.deaths == [(1, 6)]
     first = results[0][0]
     for center, *_ in results[1:]:
         for k in first:
             assert torch.equal(first[k], center[k]), k  # the centers, bitwise
-    assert all(r[1] == 60 for r in results) and results[1][2] >= 1  # healed from a peer
+    assert all(r[1] == 24 for r in results) and results[1][2] >= 1  # healed from a peer
     losses = results[0][3]
     assert sum(losses[-10:]) < sum(losses[:10])  # it trains

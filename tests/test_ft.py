@@ -165,9 +165,9 @@ def test_a_joining_replica_with_another_model_is_refused_by_name():
     _builds.clear()
     faults = ReplicaFaults().fail_at(1, 3)
     with pytest.raises(sg.ReplicaMismatchError, match=r"fc1.weight.*\[48, 20\]"):
-        # 200 steps: the survivor is still training when the replacement starts, however
-        # slowly (a loaded machine); it stops at its next step once the replacement raised.
-        run_replicas(_train_other_model_on_restart, 2, args=(200, faults), faults=faults,
+        # The survivor waits for the replacement at its step 3 (ReplicaFaults.check); it
+        # stops at its next step once the replacement raised.
+        run_replicas(_train_other_model_on_restart, 2, args=(8, faults), faults=faults,
                      deadline=90)
 
 

@@ -17,6 +17,13 @@ results in slot order. Faults are declared, as torchft's tests do
 
 ``fn`` reads its cue with ``faults.check(slot, step)`` at the end of every step (after
 ``optimizer.step()``); it raises :class:`ReplicaDied` on a replica due to die.
+
+A replacement must find someone to heal from, however slowly it starts: after a death with
+``restart``, the other replicas' ``check`` holds them (at most ``REPLACEMENT_WAIT`` seconds)
+until the replacement asks for its first quorum. A real job gets the same from its launcher
+(a warm spare restarted at once) and from training longer than a restart takes; threads on a
+loaded 2-core machine got neither: the survivors of a 16-step run finished before the
+replacement had built its model, and it found nobody to heal from.
 """
 
 from __future__ import annotations
@@ -33,7 +40,11 @@ from .._rendezvous import loopback_tcp_store
 from ..ft.comm import FaultTolerantComm
 from ..ft.launch import QuorumService
 
-__all__ = ["run_replicas", "ReplicaFaults", "ReplicaDied", "ReplicasStopped"]
+__all__ = ["run_replicas", "ReplicaFaults", "ReplicaDied", "ReplicasStopped",
+           "REPLACEMENT_WAIT"]
+
+#: The longest a surviving replica's ``check`` waits for a replacement to ask for a quorum.
+REPLACEMENT_WAIT = 60.0
 
 
 class ReplicaDied(Exception):
@@ -57,6 +68,10 @@ class ReplicaFaults:
         self.deaths: list[tuple[int, int]] = []
         self.stopped = False
         self._lock = threading.Lock()
+        #: processes declared dead with ``restart`` whose replacement has not asked for a
+        #: quorum yet (the survivors' ``check`` waits for them: module docstring)
+        self._replacing = 0
+        self._replaced = threading.Condition(self._lock)
 
     def fail_at(self, slot: int, step: int, *, restart: bool = True) -> ReplicaFaults:
         """Replica ``slot`` dies at the end of its step ``step`` (and comes back when
@@ -87,10 +102,31 @@ class ReplicaFaults:
                 left.discard(rank)
                 if not left:
                     del due[step]
+                if self.restart:
+                    self._replacing += 1
                 raise ReplicaDied(f"replica {replica} died at step {step}")
+            end = time.monotonic() + REPLACEMENT_WAIT
+            while self._replacing and not self.stopped and time.monotonic() < end:
+                self._replaced.wait(timeout=0.05)
+        if self.stopped:
+            raise ReplicasStopped(f"replica {comm.replica}: another replica failed")
         if step + 1 in self._fail.get(slot, set()):
             self._fail[slot].discard(step + 1)
             comm.inject_failure()
+
+    def announce(self, comm: FaultTolerantComm) -> None:
+        """Make a replacement's first quorum request release the survivors waiting in
+        :meth:`check` (called by :func:`run_replicas` on every replacement's Comm)."""
+        begin = comm.begin
+
+        def first_begin() -> None:
+            comm.begin = begin  # type: ignore[method-assign]
+            with self._lock:
+                self._replacing = max(0, self._replacing - 1)
+                self._replaced.notify_all()
+            begin()
+
+        comm.begin = first_begin  # type: ignore[method-assign]
 
 
 def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
@@ -134,6 +170,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 group_store=PrefixStore(f"ftgroup/{slot}/{life}", store)
                 if group_size > 1 else None, quorum_every=quorum_every,
                 quorum_timeout=quorum_timeout)
+            if life > 0 and faults is not None:
+                faults.announce(comm)
             results[slot * group_size + rank] = fn(comm, *args)
         except ReplicasStopped:
             pass
@@ -145,6 +183,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 start(slot, rank, life + 1)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append((slot * group_size + rank, exc, traceback.format_exc()))
+            if faults is not None:  # the survivors stop at their next step, not after
+                faults.stopped = True  # waiting out REPLACEMENT_WAIT for this replica
         finally:
             if comm is not None:
                 comm.close()
