@@ -257,7 +257,12 @@ def test_backup_workers_make_progress_and_drop_late_gradients(shards):
     pushes = sum(m["pushes"] for _, m, _ in results)
     dropped = sum(m["dropped_gradients"] for _, m, _ in results)
     # Every version took exactly two gradients; the rest arrived late and were dropped.
-    assert set(_shard_versions(shards).values()) == {target}
+    # Each tensor aggregates on its own and a worker stops at the first tensor it sees at
+    # ``target`` (global_version is the highest): no tensor goes past it, and one whose
+    # second gradient for the last version was never sent (its senders had stopped) stays
+    # one version behind (seen with the machine loaded).
+    versions = set(_shard_versions(shards).values())
+    assert max(versions) == target and min(versions) >= target - 1, versions
     # (A push may be dropped for some tensors only: each tensor aggregates on its own.)
     assert pushes - dropped <= 2 * target and dropped >= 1
     # Progress is judged on the global model over the whole data set: how many of the 15
