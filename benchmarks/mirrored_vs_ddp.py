@@ -63,6 +63,21 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
         ddp_opt.step()
         ddp_opt.zero_grad()
 
+    raw_checked = _model(0, cfg["width"])
+    ddp_checked = DDP(raw_checked, bucket_cap_mb=cfg["bucket_cap_mb"])
+    checked_opt = torch.optim.SGD(ddp_checked.parameters(), lr=0.01)
+
+    def ddp_checked_step() -> None:
+        # Raw DDP plus the one thing Mirrored's step does that DDP's does not: the
+        # non-finite gradient check (on_nonfinite="raise"), written as Mirrored writes it.
+        loss = F.cross_entropy(ddp_checked(x), y)
+        loss.backward()
+        grads = [p.grad for p in ddp_checked.parameters() if p.grad is not None]
+        if not bool(torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for g in grads])).all()):
+            raise FloatingPointError("non-finite gradient")
+        checked_opt.step()
+        checked_opt.zero_grad()
+
     def block(step_fn: Any) -> float:
         dist.barrier()
         t0 = time.perf_counter()
@@ -71,16 +86,20 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
         return (time.perf_counter() - t0) / cfg["steps"]
 
-    for fn in (mirrored_step, ddp_step):  # warm-up
+    arms = {"mirrored": mirrored_step, "ddp": ddp_step}
+    if cfg["attribute"]:
+        arms["ddp_checked"] = ddp_checked_step
+    for fn in arms.values():  # warm-up
         block(fn)
-    m_times, d_times = [], []
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
     for r in range(cfg["rounds"]):
-        order = (mirrored_step, ddp_step) if r % 2 == 0 else (ddp_step, mirrored_step)
-        for fn in order:
-            (m_times if fn is mirrored_step else d_times).append(block(fn))
+        # Rotate the order each round: no arm always runs first (or right after another).
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            times[name].append(block(arms[name]))
     metrics = strategy.metrics()
-    return {"mirrored": m_times, "ddp": d_times, "bytes_sent": metrics["bytes_sent"],
-            "steps": metrics["steps"]}
+    return {**times, "bytes_sent": metrics["bytes_sent"], "steps": metrics["steps"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,13 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--bucket-cap-mb", type=float, default=25)
+    parser.add_argument("--attribute", action="store_true",
+                        help="add a third arm, raw DDP plus Mirrored's non-finite gradient "
+                             "check, to show how much of the gap that check is")
     args = parser.parse_args(argv)
     from stratagem.launcher import launch
 
     rows = []
     for procs in args.procs:
         cfg = {"steps": args.steps, "rounds": args.rounds, "width": args.width, "batch": args.batch,
-               "bucket_cap_mb": args.bucket_cap_mb}
+               "bucket_cap_mb": args.bucket_cap_mb, "attribute": args.attribute}
         results = launch(worker, nprocs=procs, args=(cfg,))
         # A step ends when the slowest rank ends it: the chief's block times include barriers.
         m = statistics.median(results[0]["mirrored"])
@@ -109,9 +131,24 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"procs": procs, "mirrored_ms": 1e3 * m, "ddp_ms": 1e3 * d, "ratio": ratio,
                      "ratio_min": min(ratios), "ratio_max": max(ratios),
                      "bytes_sent_per_step": results[0]["bytes_sent"] / max(1, results[0]["steps"])})
+        if args.attribute:
+            checked = [a / b for a, b in zip(results[0]["ddp_checked"], results[0]["ddp"])]
+            vs_checked = [a / b for a, b in zip(results[0]["mirrored"], results[0]["ddp_checked"])]
+            rows[-1].update({
+                "ddp_checked_ms": 1e3 * statistics.median(results[0]["ddp_checked"]),
+                "check_ratio": statistics.median(checked),
+                "check_ratio_min": min(checked), "check_ratio_max": max(checked),
+                "vs_checked_ratio": statistics.median(vs_checked),
+                "vs_checked_min": min(vs_checked), "vs_checked_max": max(vs_checked)})
         print(f"{procs} procs: Mirrored {1e3 * m:.2f} ms/step, DDP {1e3 * d:.2f} ms/step, "
               f"ratio {ratio:.3f} (median of per-round ratios; range {min(ratios):.3f}.."
               f"{max(ratios):.3f})", flush=True)
+        if args.attribute:
+            r = rows[-1]
+            print(f"  DDP + non-finite check {r['ddp_checked_ms']:.2f} ms/step: "
+                  f"(DDP+check)/DDP {r['check_ratio']:.3f} ({r['check_ratio_min']:.3f}.."
+                  f"{r['check_ratio_max']:.3f}); Mirrored/(DDP+check) {r['vs_checked_ratio']:.3f} "
+                  f"({r['vs_checked_min']:.3f}..{r['vs_checked_max']:.3f})", flush=True)
     params = sum(p.numel() for p in _model(0, args.width).parameters())
     md = ["# Mirrored vs raw DDP step time", "",
           f"Model: MLP 784-{args.width}-{args.width}-10 ({params:,} parameters), per-replica batch "
@@ -124,6 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         md.append(f"| {r['procs']} | {r['mirrored_ms']:.2f} | {r['ddp_ms']:.2f} | {r['ratio']:.3f} | "
                   f"{r['ratio_min']:.3f}..{r['ratio_max']:.3f} |")
+    if args.attribute:
+        md += ["", "Attribution: a third arm, raw DDP plus the non-finite gradient check that "
+               "Mirrored runs at every step (`on_nonfinite=\"raise\"`, one sum per gradient).", "",
+               "| processes | DDP+check ms/step | (DDP+check)/DDP | range | Mirrored/(DDP+check) | range |",
+               "|---|---|---|---|---|---|"]
+        for r in rows:
+            md.append(f"| {r['procs']} | {r['ddp_checked_ms']:.2f} | {r['check_ratio']:.3f} | "
+                      f"{r['check_ratio_min']:.3f}..{r['check_ratio_max']:.3f} | "
+                      f"{r['vs_checked_ratio']:.3f} | {r['vs_checked_min']:.3f}..{r['vs_checked_max']:.3f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "mirrored_vs_ddp.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / "mirrored_vs_ddp.md").write_text("\n".join(md) + "\n")
