@@ -1,26 +1,12 @@
 """``FSDPSharding``: the part of fully sharded data parallelism on PyTorch FSDP2
 (``fully_shard``), which ``Sharded`` is made of.
 
-ZeRO stage 3 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", SC 2020) as PyTorch implements it in FSDP (Zhao et al., "PyTorch FSDP:
-Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023) and its DTensor rewrite FSDP2:
-every parameter, its gradient and its optimizer state are split along dim 0 into ``W`` row
-blocks, one per replica. Before a unit's forward (and again before its backward when
-``reshard_after_forward``) its parameters are all-gathered; after the backward its gradients
-are reduce-scattered to their mean, so each replica holds the mean gradient of its own rows
-and the optimizer (element-wise: SGD, Adam, AdamW...) updates its own rows only. The result
-equals data parallelism (``Mirrored``) step for step, with per-replica memory for parameters +
-gradients + optimizer state divided by ``W`` (plus one unit's gathered parameters at a time).
+The algorithm (ZeRO stage 3 on FSDP2), its papers and what is CUDA-only are described in
+:mod:`stratagem.strategies.sharded`; this module is its mechanism.
 
 The mechanics live in :class:`FSDPSharding`, which takes a :class:`~stratagem.comm.Comm`
 (the device mesh is built from ``comm.group``), so the same object can be one part of a
 composed strategy (sharding inside a node, something else across nodes: HSDP).
-
-What is CUDA-only: ``cpu_offload=True`` (FSDP2's ``CPUOffloadPolicy``: sharded parameters,
-gradients and optimizer state live in pinned host memory and are copied to the GPU per unit)
-needs a CUDA device; on a CPU job everything already is in host memory and the flag is
-refused. Overlap of communication with compute through separate CUDA streams is a GPU
-property too: on CPU + gloo the all-gathers and reduce-scatters run in line.
 """
 
 from __future__ import annotations
