@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import os
 import pickle
 import secrets
 import socket
@@ -338,6 +339,92 @@ def test_oversized_declaration_is_refused_before_allocation(signed: bool) -> Non
         assert peak < 256 << 10, peak  # well under max_bytes, let alone the 1 TiB declared
     finally:
         hostile.close()
+        client.shutdown()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_declared_2_gib_state_is_refused_by_the_joiners_own_bound() -> None:
+    """A peer holding the token declares 2 GiB to a joiner whose own state is 4 KiB: refused
+    against the bound that follows the joiner's state (4x + 16 MiB), before any allocation,
+    although max_bytes (the cap) would allow it."""
+    own = {"user": {"w": torch.ones(1024)}}
+    bound = ft_transport.heal_bound(own)
+    assert bound == 4 * 4096 + ft_transport.HEAL_BOUND_SLACK
+    hostile = _Hostile(_signed(TOKEN, b"", b"", declare=(2 << 30, 0)))
+    client = _transport(max_bytes=64 << 30, bound=lambda: ft_transport.heal_bound(own))
+    try:
+        tracemalloc.start()
+        try:
+            with pytest.raises(sg.CheckpointError,
+                               match=rf"declares 2147483648 bytes.*over this replica's bound of "
+                                     rf"{bound} bytes.*nothing was allocated"):
+                client.recv_checkpoint(0, hostile.metadata, 1, T)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 256 << 10, peak
+    finally:
+        hostile.close()
+        client.shutdown()
+
+
+def test_the_receive_buffer_grows_as_the_bytes_arrive() -> None:
+    """A peer with the token declares 512 MiB (within the bound) and sends 1 MiB, then
+    nothing: the joiner times out having committed about what arrived, not 512 MiB."""
+    declared, sent = 512 << 20, 1 << 20
+
+    def stall(conn: socket.socket) -> None:
+        _signed(TOKEN, b"\0" * sent, b"", declare=(declared, 0))(conn)
+
+    hostile = _Hostile(stall)
+    client = _transport(max_bytes=1 << 30)
+    try:
+        before = _rss()
+        with pytest.raises(TimeoutError, match="timed out"):
+            client.recv_checkpoint(0, hostile.metadata, 1, timedelta(seconds=1.0))
+        grown = _rss() - before
+        assert grown < 64 << 20, grown  # 1 MiB arrived; zero-filling would be 512 MiB
+    finally:
+        hostile.close()
+        client.shutdown()
+
+
+def test_an_idle_connection_flood_does_not_lock_out_a_joiner() -> None:
+    """More idle, never-authenticating connections than the server admits at once, opened
+    before and kept open during a joiner's heal: the joiner is served at once; the idle
+    ones are evicted (oldest first) or dropped at the authentication deadline."""
+    server = _transport(timeout=30.0)
+    client = _transport()
+    idle: list[socket.socket] = []
+    try:
+        server.send_checkpoint([1], 2, {"user": {"w": torch.ones(3)}, "torchft": {"step": 2}}, T)
+        host, port = server.metadata().rsplit(":", 1)
+        for _ in range(ft_transport.MAX_PENDING + ft_transport.MAX_CONNECTIONS + 8):
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+        t0 = time.monotonic()
+        got = client.recv_checkpoint(0, server.metadata(), 2, T)
+        assert got["user"]["w"].equal(torch.ones(3))
+        assert time.monotonic() - t0 < 2.0  # not after the idle ones' deadline (5 s)
+        # The oldest were evicted to make room: they read the greeting, then the end.
+        first = idle[0]
+        first.settimeout(5)
+        assert _read(first, 40)[:8] == MAGIC and first.recv(1) == b""
+        # The newest are dropped at the authentication deadline (its own, shorter than the
+        # heal's 30 s timeout).
+        last = idle[-1]
+        last.settimeout(ft_transport.AUTH_TIMEOUT + 5)
+        assert _read(last, 40)[:8] == MAGIC
+        t0 = time.monotonic()
+        assert last.recv(1) == b""
+        assert time.monotonic() - t0 < ft_transport.AUTH_TIMEOUT + 2
+    finally:
+        for sock in idle:
+            sock.close()
+        server.shutdown()
         client.shutdown()
 
 

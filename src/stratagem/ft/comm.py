@@ -267,10 +267,14 @@ class FaultTolerantComm(Comm):
             store_port = int(group_store.get("ft/store_port"))
         self._pg = loopback_gloo_group(timedelta(seconds=timeout), host)
         if transport is None:
-            from .transport import SafeHealTransport
+            from .transport import SafeHealTransport, heal_bound
 
-            transport = SafeHealTransport(token=token, host=host, timeout=self.quorum_timeout,
-                                          max_bytes=max_heal_bytes, allow_remote=allow_remote)
+            # A heal brings at most a bound that follows this replica's own state (sized when
+            # the heal starts; ``max_heal_bytes`` caps it, and applies before prepare).
+            transport = SafeHealTransport(
+                token=token, host=host, timeout=self.quorum_timeout, max_bytes=max_heal_bytes,
+                allow_remote=allow_remote, bound=lambda: (
+                    max_heal_bytes if self._state_fn is None else heal_bound(self._state())))
         self.transport = transport
         # Only a group's first process builds a manager server (the others wait for its
         # address in the group's store: they must not hold the lock meanwhile).

@@ -26,9 +26,17 @@ drop-in replacement, ``torchft.Manager(..., checkpoint_transport=SafeHealTranspo
   header)``, the header holding the SHA-256 of both body parts, so a peer without the token
   (or a replay of another session) is refused before the body is read, and a changed body
   after it is read.
-* **Bounds**: a fixed-size header declares both sizes; more than ``max_bytes`` in all is
-  refused before anything is allocated; a wrong step is refused; at most
-  :data:`MAX_CONNECTIONS` connections are served at once.
+* **Bounds**: a fixed-size header declares both sizes; more than the receive bound in all
+  is refused before anything is allocated. The bound follows the joiner's own state
+  (``bound``: :func:`heal_bound`, 4x its own tensors + 16 MiB, since a live peer's optimizer
+  state may exist where the joiner's is not built yet), never above ``max_bytes``. The
+  receive buffer is an anonymous mapping whose pages are committed as the bytes arrive: a
+  peer that declares the bound and sends nothing costs no memory. A wrong step is refused.
+* **Admission**: a connection must authenticate within :data:`AUTH_TIMEOUT` (its own short
+  deadline, not the heal's); up to :data:`MAX_PENDING` connections may be authenticating at
+  once, all on the accept thread (no thread each), and one more evicts the oldest, so idle
+  unauthenticated connections cannot lock a joiner out. At most :data:`MAX_CONNECTIONS`
+  authenticated connections are served at once.
 * **Time**: every socket operation has a timeout, and a whole exchange a deadline (a peer
   trickling one byte per timeout still fails at the deadline).
 * **Exposure**: the server binds ``host`` only, loopback by default; another address needs
@@ -53,16 +61,20 @@ Wire format (big-endian)::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import math
+import mmap
 import secrets
+import selectors
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -75,16 +87,27 @@ from ..checkpoint.tree import decode, encode
 from ..errors import CheckpointError
 from ..ps.auth import is_loopback, is_unspecified
 
-__all__ = ["SafeHealTransport", "MAGIC", "MAX_CONNECTIONS", "MIN_TOKEN_BYTES"]
+__all__ = ["SafeHealTransport", "MAGIC", "MAX_CONNECTIONS", "MAX_PENDING", "AUTH_TIMEOUT",
+           "MIN_TOKEN_BYTES", "heal_bound", "state_nbytes"]
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"SGHEAL1\n"
 #: Shortest job secret accepted (128 bits).
 MIN_TOKEN_BYTES = 16
-#: Connections served at once; more are closed at once (a heal has one client per joining
-#: replica and rank).
+#: Authenticated connections served at once; more are closed at once (a heal has one client
+#: per joining replica and rank).
 MAX_CONNECTIONS = 16
+#: Connections authenticating at once (on the accept thread); one more evicts the oldest.
+MAX_PENDING = 128
+#: Longest a connection may take to authenticate (capped by the transport's ``timeout``).
+AUTH_TIMEOUT = 5.0
+#: What a heal may carry beyond ``HEAL_BOUND_FACTOR`` times the joiner's own tensors (the
+#: JSON skeleton, counters, a loader's position).
+HEAL_BOUND_SLACK = 16 << 20
+#: A live peer's state may hold optimizer state the joiner has not built yet (Adam: two
+#: tensors per parameter; with amsgrad three): 4x the joiner's own tensors covers it.
+HEAL_BOUND_FACTOR = 4
 #: Longest refusal reason a server may send.
 MAX_REASON_BYTES = 4096
 _NONCE = 32
@@ -155,6 +178,42 @@ def _send(sock: socket.socket, data: bytes | memoryview, deadline: _Deadline) ->
     except TimeoutError:
         raise TimeoutError(f"{deadline.what} timed out after {deadline.seconds:g} s while "
                            "sending") from None
+
+
+def state_nbytes(tree: Any) -> int:
+    """Bytes of the tensors in a state tree (dicts, lists, tuples; other leaves count 0)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(state_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(state_nbytes(v) for v in tree)
+    return 0
+
+
+def heal_bound(own_state: Any) -> int:
+    """The most a heal may bring to a replica whose own state is ``own_state``: the live
+    peer's model is the same, its optimizer state may be built where the joiner's is not."""
+    return HEAL_BOUND_FACTOR * state_nbytes(own_state) + HEAL_BOUND_SLACK
+
+
+def _receive_buffer(n: int) -> mmap.mmap | bytearray:
+    """A writable buffer of ``n`` bytes whose memory is committed as it is written (an
+    anonymous mapping: untouched pages cost nothing; ``bytearray(n)`` would zero-fill all of
+    it before the first byte arrives)."""
+    return mmap.mmap(-1, n) if n > 0 else bytearray(0)
+
+
+class _Pending:
+    """A connection still authenticating: its nonce, what it sent so far, its deadline."""
+
+    __slots__ = ("nonce", "got", "deadline", "peer")
+
+    def __init__(self, nonce: bytes, deadline: float, peer: Any) -> None:
+        self.nonce = nonce
+        self.got = bytearray()
+        self.deadline = deadline
+        self.peer = peer
 
 
 def _split_address(metadata: str) -> tuple[str, int]:
@@ -234,7 +293,8 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
     """
 
     def __init__(self, *, token: bytes, timeout: float, max_bytes: int,
-                 host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False) -> None:
+                 host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
+                 bound: Callable[[], int] | None = None) -> None:
         if not isinstance(token, bytes):
             raise TypeError(f"token must be bytes, got {type(token).__name__}. Fix: pass the "
                             "job secret as bytes, e.g. secrets.token_bytes(32) or "
@@ -260,6 +320,10 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
         self._token = token
         self._timeout = _seconds(timeout, "timeout")
         self._max_bytes = max_bytes
+        #: At heal time, the most this replica accepts (see the module docstring); at most
+        #: ``max_bytes``.
+        self._bound = bound
+        self._auth_timeout = min(AUTH_TIMEOUT, self._timeout)
         self._allow_remote = bool(allow_remote)
         #: Bytes of heal state (tensors + JSON, headers excluded) this transport received as
         #: a joiner / sent to joiners as a server, since it was built.
@@ -275,9 +339,8 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.bind(address)
-            self._sock.listen(MAX_CONNECTIONS)
-            # A short accept timeout lets shutdown() stop the loop promptly.
-            self._sock.settimeout(0.1)
+            self._sock.listen(MAX_PENDING)
+            self._sock.setblocking(False)  # the accept thread's selector waits on it
         except OSError:
             self._sock.close()
             raise
@@ -401,14 +464,16 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
         if got_step != step:
             raise CheckpointError(f"{where}: the peer sent step {got_step}, not {step}. Fix: "
                                   "the peer moved on; the heal is retried at the next quorum")
-        if n_tensors + n_json > self._max_bytes:
+        limit, why = self._receive_limit()
+        if n_tensors + n_json > limit:
             raise CheckpointError(
                 f"{where}: the peer declares {n_tensors + n_json} bytes ({n_tensors} of "
-                f"tensors, {n_json} of JSON), over max_bytes={self._max_bytes}; nothing was "
-                "allocated. Fix: raise max_bytes if the state is really that large")
-        tensor_buf = bytearray(n_tensors)
+                f"tensors, {n_json} of JSON), over {why}; nothing was allocated. Fix: if the "
+                "state is really that large, raise max_heal_bytes (FaultTolerantComm) or "
+                "max_bytes (SafeHealTransport)")
+        tensor_buf = _receive_buffer(n_tensors)
         _recv_exact(sock, tensor_buf, deadline, "the tensors")
-        json_buf = bytearray(n_json)
+        json_buf = _receive_buffer(n_json)
         _recv_exact(sock, json_buf, deadline, "the JSON skeleton")
         if not (hmac.compare_digest(hashlib.sha256(tensor_buf).digest(), sha_t)
                 and hmac.compare_digest(hashlib.sha256(json_buf).digest(), sha_j)):
@@ -422,52 +487,144 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
             raise CheckpointError(f"{where}: the state is a {type(state).__name__}, not a dict")
         return state
 
+    def _receive_limit(self) -> tuple[int, str]:
+        """The most a heal may bring now, and how to name it in a refusal."""
+        if self._bound is not None:
+            try:
+                bound = int(self._bound())
+            except Exception as exc:  # noqa: BLE001 - the configured bound still holds
+                logger.warning("heal transport: could not size this replica's own state "
+                               "(%s); bounding the heal by max_bytes", exc)
+            else:
+                if bound < self._max_bytes:
+                    return bound, (f"this replica's bound of {bound} bytes ({HEAL_BOUND_FACTOR}x "
+                                   f"its own state + {HEAL_BOUND_SLACK >> 20} MiB)")
+        return self._max_bytes, f"max_bytes={self._max_bytes}"
+
     # ------------------------------------------------------------------ server side
     def _serve(self) -> None:
+        """Accept, and authenticate every connection here (non-blocking, each within
+        ``AUTH_TIMEOUT``); an authenticated one gets a thread of its own (at most
+        ``MAX_CONNECTIONS``)."""
+        sel = selectors.DefaultSelector()
+        pending: dict[socket.socket, _Pending] = {}  # oldest first
+        try:
+            try:
+                sel.register(self._sock, selectors.EVENT_READ)
+            except (OSError, ValueError):
+                return  # shut down before this thread started
+            while True:
+                with self._cond:
+                    if self._closed:
+                        return
+                try:
+                    ready = sel.select(timeout=0.1)
+                except (OSError, ValueError):
+                    return  # the listening socket was closed by shutdown()
+                for key, _ in ready:
+                    if key.fileobj is self._sock:
+                        if not self._accept(sel, pending):
+                            return
+                    else:
+                        self._authenticate(sel, pending, key.fileobj)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, p in pending.items() if now >= p.deadline]:
+                    self._drop(sel, pending, conn, f"did not authenticate within "
+                                                   f"{self._auth_timeout:g} s")
+        finally:
+            for conn in pending:
+                conn.close()
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending]
+                ) -> bool:
+        """Accept what is waiting; False once the listening socket is closed."""
         while True:
-            with self._cond:
-                if self._closed:
-                    return
             try:
                 conn, peer = self._sock.accept()
-            except TimeoutError:
-                continue
+            except (BlockingIOError, InterruptedError):
+                return True
             except OSError:
-                return  # closed by shutdown()
-            with self._cond:
-                self._handlers = {t for t in self._handlers if t.is_alive()}
-                busy = len(self._handlers) >= MAX_CONNECTIONS or self._closed
-            if busy:
+                return False
+            if len(pending) >= MAX_PENDING:  # the oldest has had the longest to answer
+                oldest = next(iter(pending))
+                self._drop(sel, pending, oldest, f"evicted: {MAX_PENDING} connections were "
+                                                 "authenticating")
+            nonce = secrets.token_bytes(_NONCE)
+            try:
+                conn.setblocking(False)
+                hello = _HELLO.pack(MAGIC, nonce)
+                if conn.send(hello) != len(hello):  # 40 bytes to a new socket's empty buffer
+                    raise OSError("the greeting did not fit the socket's buffer")
+                sel.register(conn, selectors.EVENT_READ)
+            except OSError as exc:
                 conn.close()
-                logger.warning("heal server %s: refused a connection from %s (%d connections "
-                               "already served)", self._address, peer, MAX_CONNECTIONS)
+                logger.warning("heal server %s: dropped %s: %s", self._address, peer, exc)
                 continue
-            t = threading.Thread(target=self._handle, args=(conn, peer), daemon=True,
-                                 name=f"heal-conn {peer}")
-            with self._cond:
-                self._handlers.add(t)
-            t.start()
+            pending[conn] = _Pending(nonce, time.monotonic() + self._auth_timeout, peer)
 
-    def _handle(self, conn: socket.socket, peer: Any) -> None:
+    def _drop(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending],
+              conn: socket.socket, why: str) -> None:
+        entry = pending.pop(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        conn.close()
+        logger.warning("heal server %s: dropped %s: %s", self._address, entry.peer, why)
+
+    def _authenticate(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending],
+                      conn: socket.socket) -> None:
+        entry = pending[conn]
+        try:
+            data = conn.recv(_AUTH.size - len(entry.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(sel, pending, conn, str(exc))
+            return
+        if not data:
+            self._drop(sel, pending, conn, "closed before authenticating")
+            return
+        entry.got += data
+        if len(entry.got) < _AUTH.size:
+            return
+        magic, client_nonce, step, mac = _AUTH.unpack(entry.got)
+        want = _mac(self._token, b"client", entry.nonce, client_nonce, struct.pack(">q", step))
+        if magic != MAGIC or not hmac.compare_digest(want, mac):
+            self._drop(sel, pending, conn, "the client's token is wrong; closed without "
+                                           "sending anything")
+            return
+        del pending[conn]
+        sel.unregister(conn)
+        with self._cond:
+            self._handlers = {t for t in self._handlers if t.is_alive()}
+            busy = len(self._handlers) >= MAX_CONNECTIONS or self._closed
+        if busy:
+            conn.close()
+            logger.warning("heal server %s: refused %s (%d authenticated connections already "
+                           "served)", self._address, entry.peer, MAX_CONNECTIONS)
+            return
+        conn.setblocking(True)
+        t = threading.Thread(target=self._handle, daemon=True, name=f"heal-conn {entry.peer}",
+                             args=(conn, entry.peer, entry.nonce, client_nonce, step))
+        with self._cond:
+            self._handlers.add(t)
+        t.start()
+
+    def _handle(self, conn: socket.socket, peer: Any, server_nonce: bytes,
+                client_nonce: bytes, step: int) -> None:
         with self._cond:
             self._conns.add(conn)
         try:
             with conn:
-                self._answer(conn)
+                self._answer(conn, server_nonce, client_nonce, step)
         except Exception as exc:  # noqa: BLE001 - one bad connection never stops the server
             logger.warning("heal server %s: dropped %s: %s", self._address, peer, exc)
         finally:
             with self._cond:
                 self._conns.discard(conn)
 
-    def _answer(self, conn: socket.socket) -> None:
-        deadline = _Deadline(self._timeout, "heal server: the client's authentication")
-        server_nonce = secrets.token_bytes(_NONCE)
-        _send(conn, _HELLO.pack(MAGIC, server_nonce), deadline)
-        magic, client_nonce, step, mac = _recv_struct(conn, _AUTH, deadline, "authentication")
-        want = _mac(self._token, b"client", server_nonce, client_nonce, struct.pack(">q", step))
-        if magic != MAGIC or not hmac.compare_digest(want, mac):
-            raise CheckpointError("the client's token is wrong; closed without sending anything")
+    def _answer(self, conn: socket.socket, server_nonce: bytes, client_nonce: bytes,
+                step: int) -> None:
         # Authenticated: wait (bounded) until a checkpoint is served; a joiner may ask before
         # the live replica's send_checkpoint ran in its own quorum thread.
         with self._cond:
