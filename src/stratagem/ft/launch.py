@@ -149,18 +149,28 @@ def read_token_file(path: str) -> bytes:
     return data
 
 
-def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: int) -> Any:
+def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: int,
+                  startup_timeout: float | None = None) -> Any:
     """This worker's :class:`~stratagem.ft.comm.FaultTolerantComm`, from the launcher's
     variables. ``min_replicas`` (the strategy's) may raise the launcher's, never lower it."""
     from .comm import FaultTolerantComm
 
     env = os.environ
-    missing = [k for k in (LIGHTHOUSE_ENV, SLOT_ENV, SLOTS_ENV, TOKEN_FILE_ENV) if k not in env]
+    missing = [k for k in (LIGHTHOUSE_ENV, SLOT_ENV, SLOTS_ENV) if k not in env]
     if missing:
         raise RuntimeError(
-            f"fault_tolerant=True needs a fault-tolerant launcher; {missing} are not set. Fix: "
-            "start the job with `stratagem run --fault-tolerant ...` or "
-            "sg.launch(..., fault_tolerant=True)")
+            f"fault_tolerant=True needs a fault-tolerant launcher; {missing} are not set (plain "
+            "torchrun, srun or a Ray worker set none of them). Fix: start the job with "
+            "`stratagem run --fault-tolerant ...` or sg.launch(..., fault_tolerant=True)")
+    if not env.get(TOKEN_FILE_ENV):
+        # Never unauthenticated by accident: every member of the quorum proves the job's
+        # secret, so there is no fault tolerance without one.
+        raise RuntimeError(
+            f"fault_tolerant=True with no job secret: {TOKEN_FILE_ENV} is not set, and fault "
+            "tolerance never runs unauthenticated. Fix: start the job with `stratagem run "
+            "--fault-tolerant` (it makes the secret on one node); on several nodes give every "
+            "node the same 0600 secret file with --ft-token-file PATH")
+    token = read_token_file(env[TOKEN_FILE_ENV])  # checked before anything is contacted
     host = env.get(HOST_ENV, "127.0.0.1")
     job_store = None
     if "MASTER_PORT" in env:
@@ -194,7 +204,8 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
         from ..comm import Comm
 
         group_comm = Comm.default_group(PrefixStore("group", group_store), group_rank,
-                                        group_size, timeout=timeout, device=device)
+                                        group_size, timeout=timeout, device=device,
+                                        startup_timeout=startup_timeout)
     # After a failed step every survivor runs a full garbage collection (the failed group's
     # last references sit in cycles: FaultTolerantComm._drop_group). With torch and its
     # compiler front end imported it walked ~0.5 s of objects in each survivor (py-spy),
@@ -207,7 +218,7 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
         gc.freeze()
     comm = FaultTolerantComm(
         lighthouse=env[LIGHTHOUSE_ENV], slot=slot, num_slots=int(env[SLOTS_ENV]),
-        token=read_token_file(env[TOKEN_FILE_ENV]), min_replicas=max(floor, min_replicas),
+        token=token, min_replicas=max(floor, min_replicas),
         timeout=timeout, host=host, job_store=job_store, device=device,
         allow_remote=not is_loopback(host), joining=life > 0,
         group_rank=group_rank, group_size=group_size, group_store=group_store,
