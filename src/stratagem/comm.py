@@ -45,6 +45,7 @@ from ._rendezvous import bound_tcp_store
 from .errors import PeerTimeoutError
 from .quantize import DEFAULT_BLOCK, check_block, dequantize, q_max, quantize
 from .sparsify import TopK, encode, entries, parse_topk
+from .validation import check_timeout
 
 __all__ = ["Comm", "NodeGroups", "Heartbeat", "new_group", "release_all", "live_backend_threads",
            "bucketed"]
@@ -164,6 +165,42 @@ def _nccl_device(device: torch.device | None) -> torch.device | None:
             f"{gpus} process(es) per node (--nproc {gpus}).", RuntimeWarning, stacklevel=3)
         return None
     return device
+
+
+#: The least time joining a job waits for its ranks to start (``startup_timeout``'s default
+#: is the larger of this and the step ``timeout``).
+STARTUP_TIMEOUT = 120.0
+
+
+def startup_seconds(timeout: float, startup_timeout: float | None) -> float:
+    """The bound of a start-up wait: ``startup_timeout`` when given (checked), else
+    ``max(timeout, STARTUP_TIMEOUT)``."""
+    if startup_timeout is None:
+        return max(float(timeout), STARTUP_TIMEOUT)
+    return check_timeout("startup_timeout", startup_timeout,
+                         fix="pass the seconds every rank has to start, e.g. "
+                             "startup_timeout=120")
+
+
+def _await_ranks(store: dist.Store, rank: int, world_size: int, seconds: float) -> None:
+    """Wait until every rank of ``world_size`` has announced itself on ``store`` (at most
+    ``seconds``); ``PeerTimeoutError`` naming the ranks that did not."""
+    store.set(str(rank), "1")
+    store.add("count", 1)
+    end = time.monotonic() + seconds
+    delay = 0.005
+    while int(store.add("count", 0)) < world_size:
+        if time.monotonic() >= end:
+            # check() does not block: a rank not started yet is just "not there".
+            missing = [r for r in range(world_size) if not store.check([str(r)])]
+            raise PeerTimeoutError(
+                f"rank {rank}: rank(s) {missing} of {world_size} did not start within "
+                f"startup_timeout={seconds:g}s. Fix: check that they were launched and are "
+                "not stuck importing or loading data; on a slow or busy machine raise "
+                "startup_timeout (the step timeout is not used for start-up)",
+                ranks=tuple(missing))
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 def new_group(store: dist.Store, rank: int, world_size: int, timeout: float,
@@ -396,12 +433,16 @@ class Comm:
         return cls(None, 0, 1)
 
     @classmethod
-    def from_env(cls, *, timeout: float = 60.0, device: torch.device | None = None) -> Comm:
+    def from_env(cls, *, timeout: float = 60.0, device: torch.device | None = None,
+                 startup_timeout: float | None = None) -> Comm:
         """Join the job described by torchrun-style environment variables.
 
         The first strategy built in a launched worker initialises torch.distributed's default
         process group here, so user code may also call ``torch.distributed`` directly.
+        Joining waits up to ``startup_timeout`` (default :func:`startup_seconds`) for every
+        rank to start, however short the step ``timeout``: a slow start is not a dead peer.
         """
+        startup = startup_seconds(timeout, startup_timeout)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1 and not dist.is_initialized():
             return cls.single()
@@ -425,29 +466,41 @@ class Comm:
             # TCPStore would listen on every interface (on one machine every peer is on
             # loopback; on several, they reach node 0's address on their shared network).
             base = bound_tcp_store(host, port, world_size=world_size,
-                                   timeout=timedelta(seconds=timeout))
+                                   timeout=timedelta(seconds=startup))
         else:
+            # Connecting waits for rank 0's store: start-up, bounded by ``startup``.
             base = dist.TCPStore(
                 host, port, world_size, is_master=(rank == 0 and not agent_store),
-                timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                timeout=timedelta(seconds=startup), wait_for_workers=False,
             )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"stratagem/attempt_{attempt}", base)
-        return cls.default_group(store, rank, world_size, timeout=timeout, device=device,
-                                 local_world_size=_env_local_world_size(world_size, rank))
+        comm = cls.default_group(store, rank, world_size, timeout=timeout, device=device,
+                                 local_world_size=_env_local_world_size(world_size, rank),
+                                 startup_timeout=startup)
+        base.set_timeout(timedelta(seconds=timeout))  # started: store waits are step waits
+        return comm
 
     @classmethod
     def default_group(cls, store: dist.Store, rank: int, world_size: int, *, timeout: float,
                       device: torch.device | None = None,
-                      local_world_size: int | None = None) -> Comm:
+                      local_world_size: int | None = None,
+                      startup_timeout: float | None = None) -> Comm:
         """A Comm over torch.distributed's default process group, initialised here over
         ``store`` (``from_env``; a fault-tolerant replica group of several processes, whose
-        FSDP2 needs a registered group). Destroyed by the last Comm's close."""
+        FSDP2 needs a registered group). Destroyed by the last Comm's close.
+
+        Every rank first waits (up to ``startup_timeout``, default :func:`startup_seconds`)
+        until all have reached this point, then the group is created with the step
+        ``timeout``: its rendezvous finds everyone started, and its collectives keep the
+        short bound. A rank that never comes raises ``PeerTimeoutError`` naming it."""
         device = _nccl_device(device)
         backend = "cpu:gloo,cuda:nccl" if (device is not None and device.type == "cuda") else "gloo"
         global _OWNS_DEFAULT_GROUP, _DEFAULT_GROUPS_CREATED
         generation = _DEFAULT_GROUPS_CREATED
         prefix = "default_pg" if generation == 0 else f"default_pg/{generation}"
+        _await_ranks(dist.PrefixStore(f"{prefix}/started", store), rank, world_size,
+                     startup_seconds(timeout, startup_timeout))
         dist.init_process_group(
             backend, store=dist.PrefixStore(prefix, store), rank=rank,
             world_size=world_size, timeout=timedelta(seconds=timeout),

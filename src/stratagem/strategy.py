@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .comm import Comm
+from .comm import Comm, startup_seconds
 from .context import InputContext, ReplicaContext, enter_replica, enter_scope
 from .data import DistributedLoader, Inputs, skip_first_batches
 from .features import feature, register_feature
@@ -43,8 +43,7 @@ from .validation import check_int, check_timeout
 __all__ = ["Strategy", "ReduceOp", "Prepared", "StrategyOptimizer", "StepEndHook",
            "register_feature"]
 
-#: Called at the end of every optimizer step that reached an accumulation boundary (applied
-#: or skipped: every replica agreed on it), with the stepping optimizer.
+#: Called with the stepping optimizer at every step boundary (applied or skipped: agreed).
 StepEndHook = Callable[[StrategyOptimizer], None]
 
 class Strategy:
@@ -54,9 +53,10 @@ class Strategy:
     Common arguments: ``precision`` ("fp32", "bf16", "fp16"), ``accumulation_steps`` (micro-
     batches per optimizer step on each worker; settable later) or ``global_accumulation_steps``
     (the same as a count over all workers), ``timeout`` (seconds before a silent peer becomes
-    :class:`PeerTimeoutError`), ``on_nonfinite`` ("raise" or "skip" when no loss scaler is in
-    use), ``device`` (default: this worker's CUDA device, else the CPU), ``comm`` (an explicit
-    :class:`~stratagem.comm.Comm`; by default the job described by the environment),
+    :class:`PeerTimeoutError`), ``startup_timeout`` (seconds joining waits for every rank to
+    start; default the larger of ``timeout`` and 120), ``on_nonfinite`` ("raise" or "skip" when
+    no loss scaler is in use), ``device`` (default: this worker's CUDA device, else the CPU),
+    ``comm`` (an explicit :class:`~stratagem.comm.Comm`; by default the job of the environment),
     ``fault_tolerant`` / ``min_replicas`` / ``keep_global_batch`` (:mod:`stratagem.ft`).
 
     On failure: a collective whose peer dies or stalls raises ``PeerTimeoutError`` naming the
@@ -71,10 +71,12 @@ class Strategy:
                  on_nonfinite: str = "raise", device: torch.device | str | None = None,
                  comm: Comm | None = None, growth_interval: int = 2000,
                  init_scale: float = 2.0**16, fault_tolerant: bool | None = None,
-                 min_replicas: int = 1, keep_global_batch: bool = False) -> None:
+                 min_replicas: int = 1, keep_global_batch: bool = False,
+                 startup_timeout: float | None = None) -> None:
         StepControl.check_accumulation(accumulation_steps, global_accumulation_steps)
         check_timeout("timeout", timeout,
                       fix="pass the seconds a peer may stay silent, e.g. timeout=60")
+        self.startup_timeout = startup_seconds(timeout, startup_timeout)
         self.device = torch.device(device) if device is not None else default_device()
         self.timeout = float(timeout)
         self.precision = Precision(precision, device_type=self.device.type,
@@ -138,7 +140,8 @@ class Strategy:
         """This strategy's communicator (the job's, unless ``comm=`` was given); joined on
         first use."""
         if self._comm is None:
-            self._comm = self.ft.comm_from_env(timeout=self.timeout, device=self.device)
+            self._comm = self.ft.comm_from_env(timeout=self.timeout, device=self.device,
+                                               startup_timeout=self.startup_timeout)
         return self._comm
 
     @property
@@ -180,8 +183,7 @@ class Strategy:
 
     @property
     def sync_gradients(self) -> bool:
-        """True when the last ``backward`` completed an accumulated step (Accelerate's
-        ``accelerator.sync_gradients``)."""
+        """True when the last ``backward`` completed an accumulated step (as Accelerate's)."""
         return self.control.sync_gradients
 
     # ------------------------------------------------------------------ identity
@@ -249,8 +251,7 @@ class Strategy:
                     self.comm.broadcast_coalesced([t.data for t in state], src=0)
         wrapped = self.parts.wrap_model(model, module)
         if self.precision.dtype is not None:
-            # On the user's module (inside DDP / the compiled wrapper): every path to its
-            # forward runs in autocast, and copies of it can be re-bound (eval_copy).
+            # On the user's module (inside DDP / compiled): every path to it runs in autocast.
             module.forward = autocast_forward(module, self.precision)  # type: ignore[method-assign]
         prepared = Prepared(wrapped, module, given=model, index=len(self._prepared))
         prepared.optimizers = [StrategyOptimizer(opt, prepared, self.control, self._step, self)

@@ -106,15 +106,17 @@ class FaultTolerance:
         return keep
 
     # ------------------------------------------------------------------ joining the job
-    def comm_from_env(self, *, timeout: float, device: torch.device) -> Comm:
+    def comm_from_env(self, *, timeout: float, device: torch.device,
+                      startup_timeout: float | None = None) -> Comm:
         if self.refusal is not None:
             raise ValueError(self.refusal)
         if self.enabled:
             from .launch import comm_from_env  # torchft is an optional dependency
 
             return comm_from_env(timeout=timeout, device=device,
-                                 min_replicas=self.min_replicas)
-        return Comm.from_env(timeout=timeout, device=device)
+                                 min_replicas=self.min_replicas,
+                                 startup_timeout=startup_timeout)
+        return Comm.from_env(timeout=timeout, device=device, startup_timeout=startup_timeout)
 
     def check_comm(self, comm: Comm) -> None:
         """Refuse a plan of one process per replica on replica groups of several."""
