@@ -248,6 +248,12 @@ def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, A
             if shards is not None:
                 env.update(shards.env())  # the job's shard token file
             env["OMP_NUM_THREADS"] = "1"
+            if shards is not None and topo is not None:
+                # The shard is on the bridge (10.77.0.1), not loopback: the client refuses to
+                # send the token in clear there. This is a private namespace link made for
+                # the benchmark, so say so explicitly (a real network would use TLS:
+                # --tls-cert/--tls-key on the shards, STRATAGEM_PS_TLS_ROOT_CERT on workers).
+                env["STRATAGEM_PS_ALLOW_PLAINTEXT"] = "1"
             env.update(job_env)
             env["PYTHONPATH"] = child_pythonpath(env)
             if r < W:
