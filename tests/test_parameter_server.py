@@ -753,3 +753,58 @@ def test_error_feedback_residuals_resume_exactly(tmp_path):
     assert {k.split("/", 2)[-1] for k in stored if "ps_ef_residual.rank0/" in k} == set(saved)
     resumed, _ = run(4, offset=4, restore=True)
     assert_states_close(resumed, whole, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------- one layout per job
+def _layout_model() -> nn.Module:
+    torch.manual_seed(0)
+    # 256x256 fp32 = 256 KiB: cut into parts when the table is bucketed (0.125 MiB buckets).
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 3))
+
+
+def _layout_prepared(strategy, lr=1e-2):
+    model = _layout_model()
+    return strategy.prepare(model, torch.optim.Adam(model.parameters(), lr=lr))
+
+
+def test_a_worker_next_to_the_shards_and_one_across_the_network_share_one_layout(
+        shards, monkeypatch):
+    """bucket_cap_mb="auto" buckets a remote worker's step and not a local one's; the cut of
+    the tensors on the shards must not differ (it once did: a reader next to the shard then
+    read a copy of the big tensors that no worker updated, and never saw training)."""
+    import stratagem.ps.part as ps_part
+
+    on_host = ps_part.all_on_this_host
+    # The writer sees the shards as on another machine (or network namespace): it buckets.
+    monkeypatch.setattr(ps_part, "all_on_this_host", lambda addrs: False)
+    writer = _ps(shards, mode="async")
+    model, opt = _layout_prepared(writer)
+    assert writer.parts[0].resolved_bucket_cap_mb is not None
+    monkeypatch.setattr(ps_part, "all_on_this_host", on_host)
+    reader = _ps(shards, mode="async")
+    seen, _ = _layout_prepared(reader)
+    assert reader.parts[0].resolved_bucket_cap_mb is None  # next to the shards: one call
+    x, y = torch.randn(32, 64), torch.randint(0, 3, (32,))
+    for _ in range(3):
+        writer.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    want = writer.eval_model(model).state_dict()
+    got = reader.eval_model(seen).state_dict()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k  # the reader sees every tensor trained
+    assert not torch.equal(got["2.weight"], _layout_model().state_dict()["2.weight"])
+    writer.close()
+    reader.close()
+
+
+def test_a_process_that_would_cut_the_tensors_differently_is_refused_by_name(shards):
+    writer = _ps(shards, mode="async", bucket_cap_mb=0.0625)
+    _layout_prepared(writer)
+    other = _ps(shards, mode="async", bucket_cap_mb=None)
+    with pytest.raises(ValueError, match=r"hold '2\.weight' as \d+ part\(s\).*this process "
+                                         r"would use 1.*same partitioner"):
+        _layout_prepared(other)
+    writer.close()
+    other.close()

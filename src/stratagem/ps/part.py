@@ -201,11 +201,13 @@ class ParameterServerLink(Part):
                   and prefix + n + ".weight" in by_key}
         partitioner = self.partitioner
         bucket = self._bucket_bytes(by_key, sparse)
-        if bucket is not None and partitioner is None:
-            # Buckets are whole parts: cut the big tensors to the bucket size.
+        layout = self._layout_bytes(by_key, sparse)
+        if layout is not None and partitioner is None:
+            # Buckets are whole parts: cut the big tensors to the bucket size. The cut is the
+            # same in every process of the job, wherever it runs (_layout_bytes).
             from .placement import MaxSizePartitioner
 
-            partitioner = MaxSizePartitioner(bucket, max_shards=_MAX_BUCKETS)
+            partitioner = MaxSizePartitioner(layout, max_shards=_MAX_BUCKETS)
         table = self.link.table(
             {k: p.detach() for k, p in by_key.items()}, mode=self.mode,
             optimizer_specs=specs, replicas_to_aggregate=self.replicas_to_aggregate,
@@ -256,10 +258,22 @@ class ParameterServerLink(Part):
             self._resolved_bucket_cap_mb = cap
         return self._resolved_bucket_cap_mb  # type: ignore[return-value]
 
+    def _layout_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
+        """Async: the size big tensors are cut to on the shards. Unlike the buckets it does
+        not depend on where this process runs: every process of the job registers and reads
+        the same parts (with ``"auto"`` a worker next to the shard and one across the network
+        once cut the same tensor differently, and each read only its own copy). ``"auto"``
+        cuts as for a remote shard; a worker next to it still makes one call per shard."""
+        cap_mb = _REMOTE_BUCKET_CAP_MB if self.bucket_cap_mb == "auto" else self.bucket_cap_mb
+        return self._capped_bytes(by_key, sparse, cap_mb)
+
     def _bucket_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
         """Async: the bytes per push-fetch call (``bucket_cap_mb``, raised so a step makes at
         most ``_MAX_BUCKETS`` calls); None for one call per shard."""
-        cap_mb = self.resolved_bucket_cap_mb
+        return self._capped_bytes(by_key, sparse, self.resolved_bucket_cap_mb)
+
+    def _capped_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str],
+                      cap_mb: float | None) -> int | None:
         if self.mode != "async" or cap_mb is None:
             return None
         total = sum(p.numel() * p.element_size() for k, p in by_key.items()

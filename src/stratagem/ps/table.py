@@ -203,8 +203,30 @@ class ShardedParameters:
 
     # -- operations -----------------------------------------------------------------------
 
+    def _check_layout(self, health: Sequence[Mapping[str, Any]]) -> None:
+        """Refuse a tensor that the shards already hold cut into other parts (another
+        process registered it with another ``partitioner`` / ``bucket_cap_mb``): this table
+        would read and update a copy of its own that no one else sees."""
+        held: set[str] = set()
+        for h in health:
+            versions = h.get("versions")
+            if isinstance(versions, dict):
+                held.update(versions)
+        for name in self.names:
+            ours = {p.key for p in self._parts[name]}
+            theirs = {k for k in held if k == name or k.startswith(name + "/part")}
+            if theirs and theirs != ours:
+                raise ValueError(
+                    f"the parameter-server shards hold {name!r} as {len(theirs)} part(s) "
+                    f"({', '.join(sorted(theirs)[:3])}{', ...' if len(theirs) > 3 else ''}), "
+                    f"this process would use {len(ours)} ({', '.join(sorted(ours)[:3])}"
+                    f"{', ...' if len(ours) > 3 else ''}). Fix: give every process of the job "
+                    "the same partitioner, small_tensor_bytes and bucket_cap_mb")
+
     def register(self) -> dict[str, torch.Tensor]:
-        """Create the tensors on the shards (first registration wins); returns current values."""
+        """Create the tensors on the shards (first registration wins); returns current values.
+        ``ValueError`` when the shards hold one of them cut into other parts."""
+        self._check_layout(self.client.health())
         distinct: list[dict[str, Any]] = []
         reqs: list[Request] = []
         own: dict[str, torch.Tensor] = {}
@@ -255,6 +277,7 @@ class ShardedParameters:
         while True:
             remaining = deadline - time.monotonic()
             health = self.client.health(timeout=max(0.1, min(remaining, self.client.timeout)))
+            self._check_layout(health)  # another cut never becomes ours: say so now
             missing = 0
             for shard, keys in wanted.items():
                 held = health[shard].get("versions")
