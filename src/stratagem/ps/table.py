@@ -215,7 +215,8 @@ class ShardedParameters:
         for name in self.names:
             ours = {p.key for p in self._parts[name]}
             theirs = {k for k in held if k == name or k.startswith(name + "/part")}
-            if theirs and theirs != ours:
+            # A subset of ours is a registration in progress (parts on several shards).
+            if theirs - ours:
                 raise ValueError(
                     f"the parameter-server shards hold {name!r} as {len(theirs)} part(s) "
                     f"({', '.join(sorted(theirs)[:3])}{', ...' if len(theirs) > 3 else ''}), "
