@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu bench lint clean
+.PHONY: install demo test test-unit test-gpu bench lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 src tests examples > /dev/null
 	$(BIN)/python -m pytest -x -n 2 --dist loadfile --durations=15
+
+# The edit loop: the unit tier only (ranks as threads, no launched process; tests/conftest.py
+# assigns the tiers and fails a unit test that starts a process). `make test` runs every tier.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -x -n 2 --dist load -m unit --durations=10
 
 # The CUDA checks (tests/gpu), with the torch already installed (a CUDA build): no install
 # step, so a GPU machine's own torch is the one tested. Skipped test by test without CUDA.

@@ -126,6 +126,7 @@ def _train_until_killed() -> str:
     return "finished"
 
 
+@pytest.mark.chaos  # a real process, SIGKILLed
 def test_killed_peer_process_is_named_within_timeout():
     t0 = time.monotonic()
     with pytest.raises(sg.WorkerError) as info:

@@ -400,3 +400,16 @@ def test_the_strategy_base_is_small():
     assert cls.end_lineno is not None and cls.end_lineno - cls.lineno + 1 <= 500
     assert "fault_tolerant" not in "".join(
         line for line in text.splitlines() if line.lstrip().startswith(("if ", "elif ")))
+
+
+def test_the_tier_lists_name_existing_test_files():
+    """tests/conftest.py lists the integration and chaos files by name: a renamed or deleted
+    file must leave the lists, or its tests would silently fall into the unit tier (where a
+    launched process then fails them)."""
+    import conftest
+
+    here = Path(__file__).resolve().parent
+    existing = {p.name for p in here.rglob("test_*.py")}
+    listed = conftest._CHAOS_FILES | conftest._INTEGRATION_FILES
+    assert listed <= existing, sorted(listed - existing)
+    assert not conftest._CHAOS_FILES & conftest._INTEGRATION_FILES
