@@ -799,12 +799,29 @@ def test_a_worker_next_to_the_shards_and_one_across_the_network_share_one_layout
     reader.close()
 
 
-def test_a_process_that_would_cut_the_tensors_differently_is_refused_by_name(shards):
+def test_a_later_process_adopts_the_cut_the_shards_hold(shards):
+    """The first registration decides how the big tensors are cut; a process whose own
+    bucket_cap_mb would cut them otherwise uses the shards' cut (and still sees training)."""
     writer = _ps(shards, mode="async", bucket_cap_mb=0.0625)
-    _layout_prepared(writer)
+    model, opt = _layout_prepared(writer)
     other = _ps(shards, mode="async", bucket_cap_mb=None)
-    with pytest.raises(ValueError, match=r"hold '2\.weight' as \d+ part\(s\).*this process "
-                                         r"would use 1.*same partitioner"):
+    seen, _ = _layout_prepared(other)
+    x, y = torch.randn(32, 64), torch.randint(0, 3, (32,))
+    writer.backward(F.cross_entropy(model(x), y))
+    opt.step()
+    want = writer.eval_model(model).state_dict()
+    got = other.eval_model(seen).state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    writer.close()
+    other.close()
+
+
+def test_an_explicit_partitioner_that_cuts_differently_is_refused_by_name(shards):
+    writer = _ps(shards, mode="async", partitioner=FixedShardsPartitioner(2))
+    _layout_prepared(writer)
+    other = _ps(shards, mode="async", partitioner=FixedShardsPartitioner(4))
+    with pytest.raises(ValueError, match=r"hold '0\.weight' as 2 part\(s\).*this process "
+                                         r"would use 4.*same partitioner"):
         _layout_prepared(other)
     writer.close()
     other.close()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,8 @@ __all__ = ["ParameterServerLink"]
 _MAX_BUCKETS = 16
 #: ``bucket_cap_mb="auto"`` with a shard on another machine: pipelined buckets of this size.
 _REMOTE_BUCKET_CAP_MB = 0.125
+#: A part's key on the shards: ``<tensor name>/part<i>of<n>``.
+_PART = re.compile(r"/part\d+of(\d+)")
 _UNRESOLVED = object()
 #: Checkpoint key prefix of the workers' error-feedback residuals (``ps_ef_residual.rank{r}/``).
 _EF_KEY = "ps_ef_residual"
@@ -201,13 +205,15 @@ class ParameterServerLink(Part):
                   and prefix + n + ".weight" in by_key}
         partitioner = self.partitioner
         bucket = self._bucket_bytes(by_key, sparse)
-        layout = self._layout_bytes(by_key, sparse)
-        if layout is not None and partitioner is None:
-            # Buckets are whole parts: cut the big tensors to the bucket size. The cut is the
-            # same in every process of the job, wherever it runs (_layout_bytes).
+        if partitioner is None:
+            # One cut of the tensors per job: the shards' (the chief registered it) when they
+            # hold them already, else this process's (_held_cut).
+            partitioner = self._held_cut(by_key, wait=not self.owner.is_chief)
+        if bucket is not None and partitioner is None:
+            # Buckets are whole parts: cut the big tensors to the bucket size.
             from .placement import MaxSizePartitioner
 
-            partitioner = MaxSizePartitioner(layout, max_shards=_MAX_BUCKETS)
+            partitioner = MaxSizePartitioner(bucket, max_shards=_MAX_BUCKETS)
         table = self.link.table(
             {k: p.detach() for k, p in by_key.items()}, mode=self.mode,
             optimizer_specs=specs, replicas_to_aggregate=self.replicas_to_aggregate,
@@ -258,14 +264,39 @@ class ParameterServerLink(Part):
             self._resolved_bucket_cap_mb = cap
         return self._resolved_bucket_cap_mb  # type: ignore[return-value]
 
-    def _layout_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
-        """Async: the size big tensors are cut to on the shards. Unlike the buckets it does
-        not depend on where this process runs: every process of the job registers and reads
-        the same parts (with ``"auto"`` a worker next to the shard and one across the network
-        once cut the same tensor differently, and each read only its own copy). ``"auto"``
-        cuts as for a remote shard; a worker next to it still makes one call per shard."""
-        cap_mb = _REMOTE_BUCKET_CAP_MB if self.bucket_cap_mb == "auto" else self.bucket_cap_mb
-        return self._capped_bytes(by_key, sparse, cap_mb)
+    def _held_cut(self, by_key: dict[str, nn.Parameter], *, wait: bool) -> Any:
+        """The cut of the model's tensors that the shards already hold, as a partitioner
+        (None when they hold none of them: this process chooses). With ``bucket_cap_mb=
+        "auto"`` a process next to the shard makes no buckets and one across the network
+        does, and the buckets decide the cut: without this a reader next to the shard once
+        registered its own uncut copy of tensors the remote workers had cut, and read that
+        copy, which nobody trained. ``wait``: a non-chief first waits (up to ``timeout``)
+        until the chief has registered every tensor."""
+        deadline = time.monotonic() + self.timeout
+        client = self.link.connect()
+        while True:
+            held: set[str] = set()
+            for h in client.health():
+                versions = h.get("versions")
+                if isinstance(versions, dict):
+                    held.update(versions)
+            parts: dict[str, int] = {}
+            for name in by_key:
+                cut = [k for k in held if k.startswith(name + "/part")]
+                if name in held or cut:
+                    m = _PART.fullmatch(cut[0][len(name):]) if cut else None
+                    parts[name] = int(m.group(1)) if m else 1
+            if len(parts) == len(by_key) or not wait or time.monotonic() >= deadline:
+                break  # join() says what is missing, if anything
+            time.sleep(0.05)
+        if not parts:
+            return None
+        by_shape: dict[tuple[int, ...], int] = {}
+        for name, n in parts.items():
+            shape = tuple(by_key[name].shape)
+            if by_shape.setdefault(shape, n) != n:
+                return None  # no partitioner by shape says it: _check_layout names it
+        return lambda shape, dtype: by_shape.get(tuple(shape), 1)
 
     def _bucket_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
         """Async: the bytes per push-fetch call (``bucket_cap_mb``, raised so a step makes at
