@@ -70,7 +70,10 @@ class ParameterServer(Strategy):
       adds calls, 0.37-0.53x a bare gRPC echo's throughput against 0.69-0.77x for one call per
       shard), else 0.125 (slow links: 0.73-0.81x Mirrored's time to target at 20 Mbit/s). An
       explicit value always wins; ``resolved_bucket_cap_mb`` tells which one applies. Results
-      are unchanged either way (tested equal).
+      are unchanged either way (tested equal). How big tensors are cut on the shards is
+      decided once per job, by the first registration (the chief's): a later process uses
+      the shards' cut whatever its own buckets (an explicit ``partitioner`` that cuts
+      otherwise is refused by name).
     - Shards on this machine are reached through shared memory when a step makes one
       push-fetch call per shard (the ``"auto"`` default there): the tensors are read and
       written in place by the shard, and each step's small message goes through a pair of
