@@ -406,9 +406,14 @@ def test_the_tier_lists_name_existing_test_files():
     """tests/conftest.py lists the integration and chaos files by name: a renamed or deleted
     file must leave the lists, or its tests would silently fall into the unit tier (where a
     launched process then fails them)."""
-    import conftest
+    import importlib.util
 
     here = Path(__file__).resolve().parent
+    # By path: "import conftest" may find tests/ps's or tests/gpu's under xdist.
+    spec = importlib.util.spec_from_file_location("_tiers_conftest", here / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
     existing = {p.name for p in here.rglob("test_*.py")}
     listed = conftest._CHAOS_FILES | conftest._INTEGRATION_FILES
     assert listed <= existing, sorted(listed - existing)
