@@ -35,6 +35,7 @@ from ..parts.tensors import broadcast_buffers, gather_ranks, load_rank
 from . import optim as ps_optim
 from .addresses import all_on_this_host
 from .link import PSLink
+from .table import held_keys
 
 if TYPE_CHECKING:
     from ..strategy import Prepared, StrategyOptimizer
@@ -275,11 +276,7 @@ class ParameterServerLink(Part):
         deadline = time.monotonic() + self.timeout
         client = self.link.connect()
         while True:
-            held: set[str] = set()
-            for h in client.health():
-                versions = h.get("versions")
-                if isinstance(versions, dict):
-                    held.update(versions)
+            held = held_keys(client.health())
             parts: dict[str, int] = {}
             for name in by_key:
                 cut = [k for k in held if k.startswith(name + "/part")]
@@ -301,10 +298,7 @@ class ParameterServerLink(Part):
     def _bucket_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str]) -> int | None:
         """Async: the bytes per push-fetch call (``bucket_cap_mb``, raised so a step makes at
         most ``_MAX_BUCKETS`` calls); None for one call per shard."""
-        return self._capped_bytes(by_key, sparse, self.resolved_bucket_cap_mb)
-
-    def _capped_bytes(self, by_key: dict[str, nn.Parameter], sparse: set[str],
-                      cap_mb: float | None) -> int | None:
+        cap_mb = self.resolved_bucket_cap_mb
         if self.mode != "async" or cap_mb is None:
             return None
         total = sum(p.numel() * p.element_size() for k, p in by_key.items()

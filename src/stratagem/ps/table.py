@@ -69,6 +69,16 @@ def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
     return t if p.num_parts == 1 else t[p.row_start:p.row_end]
 
 
+def held_keys(health: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The tensor (part) keys the shards hold, from their ``health`` answers."""
+    held: set[str] = set()
+    for h in health:
+        versions = h.get("versions")
+        if isinstance(versions, dict):
+            held.update(versions)
+    return held
+
+
 class ShardedParameters:
     """A model's named tensors living on parameter-server shards.
 
@@ -207,11 +217,7 @@ class ShardedParameters:
         """Refuse a tensor that the shards already hold cut into other parts (another
         process registered it with another ``partitioner`` / ``bucket_cap_mb``): this table
         would read and update a copy of its own that no one else sees."""
-        held: set[str] = set()
-        for h in health:
-            versions = h.get("versions")
-            if isinstance(versions, dict):
-                held.update(versions)
+        held = held_keys(health)
         for name in self.names:
             ours = {p.key for p in self._parts[name]}
             theirs = {k for k in held if k == name or k.startswith(name + "/part")}
