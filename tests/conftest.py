@@ -26,7 +26,7 @@ _SLOW_FILES_FIRST = ("test_sharded.py", "test_sharded_hierarchical.py", "test_ft
 _CHAOS_FILES = frozenset({
     "test_chaos.py", "test_ft_processes.py", "test_ft_group_processes.py", "test_multinode.py",
     "test_multinode_ft.py", "test_resume.py", "test_ps_faults.py", "test_network_exposure.py",
-    "test_clean_exit.py", "test_faults.py"})
+    "test_clean_exit.py", "test_faults.py", "test_ft_intrusion.py"})
 _INTEGRATION_FILES = frozenset({
     "test_gpu.py", "test_hostile_25.py", "test_rpc.py", "test_security.py", "test_shm.py",
     "test_hostile.py", "test_bad_inputs.py", "test_cli.py", "test_examples.py",

@@ -12,11 +12,14 @@ import torch.distributed as dist
 pytest.importorskip("torchft")
 
 from stratagem.ft.comm import FaultTolerantComm  # noqa: E402
+from stratagem.ft.membership import MemberKey  # noqa: E402
+
+KEY = MemberKey(b"k" * 32)
 
 
 def _comm(store: dist.Store, slot: int = 3) -> SimpleNamespace:
     return SimpleNamespace(_job_store=store, _id_key=f"ft/id/{slot}",
-                           _asking_key=f"ft/asking/{slot}", _keeps_id=True)
+                           _asking_key=f"ft/asking/{slot}", _keeps_id=True, _key=KEY)
 
 
 def _replica_id(store: dist.Store, joining: bool) -> str:
@@ -47,6 +50,18 @@ def test_a_predecessor_that_died_asking_for_a_quorum_is_not_impersonated() -> No
     # The fresh id is now the slot's: a later replacement (its predecessor answered) keeps it.
     _asking(store, "0")
     assert _replica_id(store, joining=True) == second
+
+
+def test_ids_carry_the_secret_s_tag_and_a_planted_id_is_not_taken_over() -> None:
+    """The job's store is not authenticated: an id another process wrote there without the
+    secret's tag is not the predecessor's; the replacement takes a fresh (tagged) one."""
+    store = dist.HashStore()
+    first = _replica_id(store, joining=False)
+    assert KEY.id_ok(first)
+    store.set("ft/id/3", "slot3:planted")
+    _asking(store, "0")
+    second = _replica_id(store, joining=True)
+    assert second != "slot3:planted" and KEY.id_ok(second)
 
 
 def test_a_joiner_without_a_recorded_id_takes_a_fresh_one() -> None:

@@ -45,6 +45,15 @@ def _pids(out: Path, slot: int) -> list[int]:
         return []
 
 
+def _v4(address: str) -> str:
+    """``address``, with an IPv4-mapped IPv6 address (``::ffff:a4f:a``) as IPv4."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped) if mapped is not None else str(ip)
+
+
 def _token(path: Path) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -139,8 +148,11 @@ def test_sigkilled_worker_on_node_1_is_restarted_by_its_node_and_heals(tmp_path:
     # address: node 0 the store and the quorum service among them.
     for node in range(NNODES):
         assert seen[node], f"no listening socket seen on node {node}"
-        assert {a for a, _ in seen[node]} == {topo.node_ip(node)}, (node, seen[node])
-    assert {(topo.node_ip(0), PORT), (topo.node_ip(0), PORT + 1)} <= seen[0], seen[0]
+        # An IPv6 socket bound to the v4-mapped form of the address (gRPC's, the quorum
+        # service's) listens on that one address too.
+        assert {_v4(a) for a, _ in seen[node]} == {topo.node_ip(node)}, (node, seen[node])
+    assert {(topo.node_ip(0), PORT), (topo.node_ip(0), PORT + 1)} <= {
+        (_v4(a), p) for a, p in seen[0]}, seen[0]
     assert not {p for _, p in seen[1]} & {PORT, PORT + 1}, seen[1]
 
 

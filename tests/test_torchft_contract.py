@@ -111,7 +111,7 @@ def test_the_table_is_well_formed() -> None:
     symbols = [r.symbol for r in RELIANCES]
     assert len(set(symbols)) == len(symbols), "each reliance names its own symbol"
     features = {upstream.MANAGER_SERVER, upstream.ELISION, upstream.QUORUM_ID,
-                upstream.GLOO_STORE}
+                upstream.GLOO_STORE, upstream.MEMBERSHIP}
     for r in RELIANCES:
         assert r.symbol.startswith("torchft.") and ": " not in r.symbol
         assert r.kind in ("attribute", "names", "keywords", "constants")
@@ -180,6 +180,19 @@ def test_gloo_group_fails_loudly_naming_the_symbol(monkeypatch: pytest.MonkeyPat
     _break(monkeypatch, reliance)
     with pytest.raises(TorchftContractError, match=re.escape(reliance.symbol)):
         upstream.bound_gloo_group(timedelta(seconds=5))
+
+
+@pytest.mark.parametrize("reliance", [r for r in RELIANCES if r.feature == upstream.MEMBERSHIP],
+                         ids=lambda r: r.symbol)
+def test_membership_fails_loudly_naming_the_symbol(monkeypatch: pytest.MonkeyPatch,
+                                                   reliance: Reliance) -> None:
+    """Without what the quorum check relies on, a replica refuses to start (a member without
+    the secret would go unnoticed), naming the symbol."""
+    _break(monkeypatch, reliance)
+    with pytest.raises(TorchftContractError, match=re.escape(reliance.symbol)):
+        upstream.verify_quorums(_FakeManager(), None, None)
+    with pytest.raises(TorchftContractError, match=re.escape(reliance.symbol)):
+        upstream.manager_identity(None)
 
 
 def test_quorum_id_falls_back_with_a_warning_naming_the_symbol(

@@ -204,6 +204,7 @@ class FaultTolerantComm(Comm):
                  group_comm: Comm | None = None, quorum_every: int | None = None,
                  quorum_timeout: float | None = None) -> None:
         require_torchft()
+        from .membership import MemberKey
 
         if group_size > 1 and group_store is None:
             raise ValueError(f"a replica group of {group_size} processes needs group_store, "
@@ -265,7 +266,10 @@ class FaultTolerantComm(Comm):
             assert group_store is not None
             group_store.set_timeout(store_timeout)
             store_port = int(group_store.get("ft/store_port"))
-        self._pg = loopback_gloo_group(timedelta(seconds=timeout), host)
+        #: Proves this replica's membership to the quorum service and checks every quorum
+        #: it is given (stratagem.ft.membership).
+        self._key = MemberKey(token)
+        self._pg = upstream.bound_gloo_group(timedelta(seconds=timeout), host, key=self._key)
         if transport is None:
             from .transport import SafeHealTransport, heal_bound
 
@@ -282,7 +286,9 @@ class FaultTolerantComm(Comm):
         self._id_key = f"ft/id/{slot}"
         self._asking_key = f"ft/asking/{slot}"
         self._keeps_id = server and group_size == 1 and job_store is not None
-        replica_id = self._replica_id(slot, joining) if self._keeps_id else None
+        # Every replica id is exact (no uuid appended by torchft) and tagged with the secret.
+        replica_id = (self._replica_id(slot, joining) if self._keeps_id else
+                      self._key.replica_id(f"slot{slot}:{uuid.uuid4()}") if server else None)
         self.manager = upstream.build_manager(
             server_host=host if server else None, server_replica_id=replica_id,
             pg=self._pg, load_state_dict=self._load, state_dict=self._state,
@@ -298,6 +304,7 @@ class FaultTolerantComm(Comm):
             lighthouse_addr=lighthouse, replica_id=f"slot{slot}", hostname=host,
             heartbeat_interval=timedelta(milliseconds=100),
             checkpoint_transport=transport, init_sync=True)
+        self._prove_membership(host, store_port, store_timeout, replica_id, group_store)
         super().__init__(self._pg, 0, 1, store=None, timeout=timeout, heartbeat=False,
                          device=device)
         #: The processes of this replica group (a node of ``Hierarchical``): a plain Comm
@@ -365,6 +372,38 @@ class FaultTolerantComm(Comm):
         self.heals += 1
         self._healed = True
 
+    def _prove_membership(self, host: str, store_port: int, store_timeout: timedelta,
+                          replica_id: str | None, group_store: dist.Store | None) -> None:
+        """Sign this process's quorum requests with its claim (the exact replica id its
+        group's manager server uses, that server's address, the group store's address, the
+        step, its place in the group) and check every quorum it is given before any address
+        in it is used (stratagem.ft.membership)."""
+        store = self._store if self._store is not None else dist.TCPStore(
+            host, store_port, is_master=False, timeout=store_timeout, wait_for_workers=False)
+        _, address = upstream.manager_identity(store)
+        if replica_id is not None:  # the group's first process chose it
+            if group_store is not None:
+                group_store.set("ft/replica_id", replica_id)
+        else:
+            assert group_store is not None
+            replica_id = group_store.get("ft/replica_id").decode()
+        manager = self.manager
+        claim = {"replica_id": replica_id, "address": address,
+                 "store_address": f"{host}:{store_port}",
+                 "world_size": self.replica_group_size, "group_rank": self.replica_group_rank}
+        self._pg.claim = lambda: {**claim, "step": int(manager.current_step())}
+        upstream.verify_quorums(manager, self._key, self._group_vote)
+
+    def _group_vote(self, ok: bool, timeout: timedelta) -> bool:
+        """The commit vote across this replica group's processes: True when every one of
+        them completed the step (over the group's own process group; one process: its own
+        verdict)."""
+        if self.replica_group_size == 1:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.group_comm.device)
+        self.group_comm.all_reduce(flag, op="min")
+        return bool(flag.item() > 0.5)
+
     def _replica_id(self, slot: int, joining: bool) -> str:
         """The id this replica's manager server heartbeats and asks for quorums under (see
         "A replacement takes its predecessor's place" in the module docstring): the id of
@@ -372,12 +411,15 @@ class FaultTolerantComm(Comm):
         may still sit in the Lighthouse: a new id keeps it out of any quorum)."""
         store = self._job_store
         assert store is not None
-        fresh = f"slot{slot}:{uuid.uuid4()}"
+        fresh = self._key.replica_id(f"slot{slot}:{uuid.uuid4()}")
         with contextlib.suppress(Exception):
             if joining and store.check([self._id_key]):
                 asking = store.check([self._asking_key]) and store.get(self._asking_key) == b"1"
-                if not asking:
-                    return str(store.get(self._id_key).decode())
+                kept = store.get(self._id_key).decode()
+                # The job's store is not authenticated: an id there without the secret's tag
+                # is not the predecessor's (the quorum service would refuse it anyway).
+                if not asking and self._key.id_ok(kept):
+                    return kept
             store.set(self._id_key, fresh)
             store.set(self._asking_key, "0")
         return fresh
@@ -794,3 +836,5 @@ class FaultTolerantComm(Comm):
             self.transport.shutdown(wait=False)
         with contextlib.suppress(Exception):
             self._pg.shutdown()
+        with contextlib.suppress(Exception):
+            self._pg.close_member_store()

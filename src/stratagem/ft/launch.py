@@ -1,6 +1,7 @@
 """What a fault-tolerant launcher starts: the quorum service, a job secret, each worker's Comm.
 
-The quorum service is torchft's Lighthouse, bound to one address (loopback on one node,
+The quorum service speaks torchft's Lighthouse protocol and admits only members that prove
+the job's secret (:mod:`stratagem.ft.quorum`); it is bound to one address (loopback on one node,
 ``--master-addr`` across nodes), never every interface. How fast a lost replica leaves the
 quorum: a worker that dies in a collective makes its peers' collective fail at once (gloo
 sees the reset connection); the next quorum then forms without it as soon as its heartbeat is
@@ -45,7 +46,9 @@ JOIN_TIMEOUT_MS = 1000
 
 
 class QuorumService:
-    """torchft's Lighthouse on ``host`` (loopback by default), plus the job's secret.
+    """The quorum service on ``host`` (loopback by default), plus the job's secret: torchft's
+    Lighthouse protocol, admitting only members that prove the secret
+    (:class:`~stratagem.ft.quorum.VerifiedQuorumService`).
 
     ``min_replicas``: the fewest replicas a quorum may have. The secret is written to a file
     of mode 0600 in a private directory; workers find it through ``STRATAGEM_FT_TOKEN_FILE``
@@ -56,10 +59,9 @@ class QuorumService:
                  allow_remote: bool = False, port: int = 0,
                  token_file: str | None = None) -> None:
         from .comm import require_torchft
+        from .quorum import VerifiedQuorumService
 
         require_torchft()
-        from torchft.coordination import LighthouseServer
-
         if not allow_remote and not is_loopback(host):
             raise ValueError(f"the quorum service listens on loopback on one node, got host="
                              f"{host!r}. Fix: omit host, or pass the --master-addr of a "
@@ -67,27 +69,30 @@ class QuorumService:
         if min_replicas > num_slots:
             raise ValueError(f"min_replicas must be <= the number of workers, got min_replicas="
                              f"{min_replicas} > {num_slots}. Fix: lower --min-replicas")
+        self._dir: str | None = None
         if token_file is not None:
-            read_token_file(token_file)  # the user's secret (several nodes): checked first
+            token = read_token_file(token_file)  # the user's secret (several nodes)
+            self.token_file = token_file
+        else:
+            self._dir = tempfile.mkdtemp(prefix="stratagem-ft-")
+            self.token_file = os.path.join(self._dir, "token")
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            token = read_token_file(self.token_file)
         self.host = host
         self.num_slots = num_slots
         self.min_replicas = min_replicas
-        self._server = LighthouseServer(
-            bind=f"{bracket_host(host)}:{port}", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
-            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, quorum_tick_ms=50)
-        # torchft's address() names this machine's host name, which need not resolve to the
-        # address the server is bound to (another node cannot resolve it at all): advertise
-        # ``host`` itself.
-        self.port = int(str(self._server.address()).rsplit(":", 1)[1])
-        self._dir: str | None = None
-        if token_file is not None:
-            self.token_file = token_file
-            return
-        self._dir = tempfile.mkdtemp(prefix="stratagem-ft-")
-        self.token_file = os.path.join(self._dir, "token")
-        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+        try:
+            # Admits only members that prove the job's secret (stratagem.ft.quorum).
+            self._server = VerifiedQuorumService(
+                bind=f"{bracket_host(host)}:{port}", token=token, min_replicas=min_replicas,
+                join_timeout_ms=JOIN_TIMEOUT_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+                quorum_tick_ms=50)
+        except BaseException:
+            self._remove_secret()
+            raise
+        self.port = self._server.port
 
     def address(self) -> str:
         """``http://host:port`` of the Lighthouse."""
@@ -102,6 +107,9 @@ class QuorumService:
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self._server.shutdown()
+        self._remove_secret()
+
+    def _remove_secret(self) -> None:
         if self._dir is None:
             return  # the user's token file (a multi-node job): not ours to remove
         with contextlib.suppress(OSError):

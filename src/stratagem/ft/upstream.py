@@ -15,7 +15,12 @@ through the small functions here. What this module does that torchft does not of
 - it reads the manager's private quorum id (:func:`quorum_id`);
 - it hosts the reconfigurable gloo group's rendezvous store itself, on one host, by setting
   the group's private ``_rendezvous_store`` before torchft's ``get_reconfigure_handle``
-  would create one on every interface (:func:`bound_gloo_group`).
+  would create one on every interface (:func:`bound_gloo_group`), and signs each handle
+  with the member's claim (:mod:`stratagem.ft.membership`);
+- it checks every quorum a manager is given before the manager touches an address in it,
+  by wrapping the manager's private ``_client`` (:func:`verify_quorums`), and reads the
+  manager server's address and replica id from the keys torchft publishes them under
+  (:func:`manager_identity`).
 
 :data:`RELIANCES` lists each private symbol relied on: what is expected of it, why, and the
 public torchft hook that would make the workaround unnecessary (also in
@@ -49,14 +54,15 @@ from ..errors import StratagemError
 
 __all__ = ["RELIANCES", "Reliance", "ServerInstall", "TorchftContractError",
            "TorchftContractWarning", "bound_gloo_group", "build_manager", "check_contract",
-           "commit_bookkeeping", "manager_server_on", "problems_for", "quorum_id",
-           "should_commit_is_elidable"]
+           "commit_bookkeeping", "manager_identity", "manager_server_on", "problems_for",
+           "quorum_id", "should_commit_is_elidable", "verify_quorums"]
 
 #: What in stratagem depends on a reliance (:attr:`Reliance.feature`).
 MANAGER_SERVER = "manager-server"  #: the manager server bound to one host, under an exact id
 ELISION = "quorum-elision"  #: a transaction committed without torchft's quorum and vote
 QUORUM_ID = "quorum-id"  #: the live slots cached until the quorum changes
 GLOO_STORE = "gloo-store"  #: the gloo group's rendezvous store bound to one host
+MEMBERSHIP = "verified-membership"  #: every quorum checked before its addresses are used
 
 
 class TorchftContractError(StratagemError):
@@ -180,6 +186,37 @@ RELIANCES: tuple[Reliance, ...] = (
             "of socket.gethostname()",
         hook="a `store`/`host` argument to the reconfigurable process groups for their "
              "rendezvous store"),
+    Reliance(
+        symbol="torchft.process_group.create_store_client", kind="names",
+        module="torchft.process_group", obj="ProcessGroupWrapper.reconfigure",
+        expects=("create_store_client",), feature=GLOO_STORE,
+        why="while a member's group is rebuilt, its rendezvous store client is stratagem's "
+            "(members only, keys under a secret-derived prefix), put in place of the "
+            "TCPStore client that ProcessGroupWrapper.reconfigure looks this name up for",
+        hook="a `store_factory` argument to the reconfigurable process groups"),
+    Reliance(
+        symbol="torchft.manager.Manager._client", kind="names", module="torchft.manager",
+        obj="Manager._async_quorum", expects=("_client", "_quorum"), feature=MEMBERSHIP,
+        why="the quorum a manager's server returns is checked (every member proves the job's "
+            "secret) before the manager uses an address in it, by wrapping the client "
+            "_async_quorum calls _quorum on",
+        hook="a Manager argument `verify_quorum: Callable[[QuorumResult], None]` called "
+             "before the quorum is used, or authenticated quorum members in torchft itself"),
+    Reliance(
+        symbol="torchft.manager.Manager.should_commit(_client.should_commit)", kind="names",
+        module="torchft.manager", obj="Manager.should_commit",
+        expects=("_client", "should_commit"), feature=MEMBERSHIP,
+        why="the commit vote across a replica group's processes is taken over the group's "
+            "own process group, by the wrapped client should_commit calls",
+        hook="a Manager argument for the vote across its group (or an authenticated "
+             "manager server)"),
+    Reliance(
+        symbol="torchft.manager.MANAGER_ADDR_KEY, REPLICA_ID_KEY", kind="attribute",
+        module="torchft.manager", obj="", expects=("MANAGER_ADDR_KEY", "REPLICA_ID_KEY"),
+        feature=MEMBERSHIP,
+        why="a replica's proof names its manager server's address and replica id, which "
+            "torchft publishes in the replica group's store under these keys",
+        hook="public Manager accessors for its server's address and its replica id"),
 )
 
 
@@ -411,12 +448,15 @@ def quorum_id(manager: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------- gloo group
-def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
+def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = None) -> Any:
     """torchft's reconfigurable gloo group (``ProcessGroupGloo``) whose rendezvous store is
     :func:`~stratagem._rendezvous.bound_tcp_store` on ``host``, advertised as ``host``
-    (see :func:`stratagem.ft.comm.loopback_gloo_group`). Raises
-    :class:`TorchftContractError` naming the symbol when the installed torchft lacks what
-    this relies on (its store would listen on every interface)."""
+    (see :func:`stratagem.ft.comm.loopback_gloo_group`). With ``key`` (a
+    :class:`~stratagem.ft.membership.MemberKey`), each reconfigure handle carries the claim
+    the group's ``claim`` callable returns (set it with ``group.claim = fn`` once the
+    manager exists) and its proof. Raises :class:`TorchftContractError` naming the symbol
+    when the installed torchft lacks what this relies on (its store would listen on every
+    interface)."""
     problems = problems_for(GLOO_STORE)
     if problems:
         raise TorchftContractError(
@@ -426,6 +466,14 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
     from torchft import ProcessGroupGloo
 
     class _BoundGloo(ProcessGroupGloo):  # type: ignore[misc]
+        claim: Any = None
+
+        def close_member_store(self) -> None:
+            """Stop the members-only rendezvous store this group hosts (if it does)."""
+            store = getattr(self, "_rendezvous_store", None)
+            if key is not None and store is not None:
+                store.close()
+
         def get_reconfigure_handle(self) -> str:
             if getattr(self, "_rendezvous_store", None) is None:
                 self._rendezvous_store = bound_tcp_store(
@@ -441,6 +489,144 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1") -> Any:
                     "Fix: install the torchft version stratagem is tested with (pyproject's "
                     "[ft] extra)")
             handle["store"] = f"{bracket_host(host)}:{port}"
-            return json.dumps(handle)
+            if key is None:
+                return json.dumps(handle)
+            if self.claim is None:
+                raise RuntimeError("a member's process group was asked for its handle before "
+                                   "its claim was set (FaultTolerantComm sets it)")
+            return key.sign(handle, self.claim())
 
-    return _BoundGloo(timeout=timeout)
+        def reconfigure(self, opts: Any) -> Any:
+            if key is None:
+                return super().reconfigure(opts)
+            with _member_store_clients(key):
+                return super().reconfigure(opts)
+
+    if key is None:
+        return _BoundGloo(timeout=timeout)
+    from .store import MemberStoreServer
+
+    group = _BoundGloo(timeout=timeout)
+    # The rendezvous store this member hosts serves members only (stratagem.ft.store).
+    group._rendezvous_store = MemberStoreServer(host, store_key(key))
+    return group
+
+
+def store_key(key: Any) -> bytes:
+    """The rendezvous stores' key, derived from a :class:`~stratagem.ft.membership.MemberKey`."""
+    return bytes.fromhex(key.derive("rendezvous-store"))
+
+
+_STORE_LOCK = threading.Lock()
+_store_local = threading.local()
+_store_install: dict[str, Any] = {"count": 0, "original": None}
+
+
+def _store_client(store_addr: str, timeout: timedelta) -> Any:
+    """torchft's ``create_store_client`` while :func:`_member_store_clients` is open: the
+    member store for a reconfiguration running on this thread, torchft's own otherwise."""
+    key = getattr(_store_local, "key", None)
+    if key is None:
+        return _store_install["original"](store_addr, timeout)
+    from .store import MemberStore
+
+    address, _, prefix = store_addr.partition("/")
+    host, _, port = address.rpartition(":")
+    return MemberStore(host, int(port), store_key(key),
+                       prefix=key.derive("rendezvous|" + prefix), timeout=timeout)
+
+
+@contextlib.contextmanager
+def _member_store_clients(key: Any) -> Iterator[None]:
+    """While open, a torchft process group reconfigured on this thread meets on stratagem's
+    member store (:class:`~stratagem.ft.store.MemberStore`, keys under a prefix derived from
+    the secret and torchft's own prefix) instead of a ``TCPStore``. Several replicas of one
+    process (tests) reconfigure at once: the replacement is installed while any is open and
+    picks the key of its own thread."""
+    problems = problems_for(GLOO_STORE)
+    if problems:
+        raise TorchftContractError(
+            "cannot give the replicas' process group a members-only rendezvous store with the "
+            "installed torchft. Fix: install the torchft version stratagem is tested with "
+            "(pyproject's [ft] extra). " + "; ".join(problems))
+    import torchft.process_group as tpg
+
+    with _STORE_LOCK:
+        if _store_install["count"] == 0:
+            _store_install["original"] = tpg.create_store_client
+            tpg.create_store_client = _store_client  # type: ignore[assignment]
+        _store_install["count"] += 1
+    _store_local.key = key
+    try:
+        yield
+    finally:
+        _store_local.key = None
+        with _STORE_LOCK:
+            _store_install["count"] -= 1
+            if _store_install["count"] == 0:
+                tpg.create_store_client = _store_install["original"]  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------- membership
+def manager_identity(store: Any) -> tuple[str, str]:
+    """(replica id, manager server address) that torchft published in a replica group's
+    ``store`` (a client of the store torchft's Manager was given)."""
+    problems = problems_for(MEMBERSHIP)
+    if problems:
+        raise TorchftContractError(
+            "cannot prove this replica's membership with the installed torchft. Fix: install "
+            "the torchft version stratagem is tested with (pyproject's [ft] extra). "
+            + "; ".join(problems))
+    import torchft.manager as tm
+
+    return (store.get(tm.REPLICA_ID_KEY).decode("utf-8"),
+            store.get(tm.MANAGER_ADDR_KEY).decode("utf-8"))
+
+
+class _VerifyingClient:
+    """A manager's client whose quorums are checked by ``check`` before they are returned,
+    and whose commit votes are taken by ``vote`` (not by the manager server)."""
+
+    def __init__(self, client: Any, check: Any, vote: Any) -> None:
+        self._inner = client
+        self._check = check
+        self._vote = vote
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner._quorum(*args, **kwargs)
+        self._check(result)
+        return result
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool,
+                      timeout: timedelta) -> bool:
+        return bool(self._vote(bool(should_commit), timeout))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def verify_quorums(manager: Any, key: Any, vote: Any) -> None:
+    """From now on every quorum ``manager`` is given is checked with ``key``
+    (:meth:`~stratagem.ft.membership.MemberKey.check_quorum`) before the manager uses any
+    address in it (its process group's store, the peer it heals from): a quorum with an
+    unverified member raises :class:`~stratagem.ft.membership.UnverifiedMemberError`
+    naming it, in the quorum call. ``Manager.should_commit`` keeps all it does (recovery,
+    the group's errors, the step's bookkeeping) but its vote across the replica group's
+    processes is ``vote(local_ok, timeout) -> bool``, taken over the group's own process
+    group: torchft's manager server counts votes from any process that connects."""
+    problems = problems_for(MEMBERSHIP)
+    if problems:
+        raise TorchftContractError(
+            "cannot check the quorums this replica is given with the installed torchft (a "
+            "member without the job's secret would go unnoticed). Fix: install the torchft "
+            "version stratagem is tested with (pyproject's [ft] extra). " + "; ".join(problems))
+
+    def check(result: Any) -> None:
+        key.check_quorum(replica_ids=list(result.replica_ids),
+                         handles=list(result.reconfigure_handles),
+                         store_address=result.store_address or "",
+                         recover_src=result.recover_src_manager_address or "")
+
+    client = manager._client
+    if not isinstance(client, _VerifyingClient):
+        manager._client = _VerifyingClient(client, check, vote)

@@ -1,6 +1,6 @@
 """Fault-tolerant replicas as threads, with declared faults (issue 22).
 
-``run_replicas(fn, n)`` starts a quorum service (torchft's Lighthouse on loopback) and calls
+``run_replicas(fn, n)`` starts a quorum service (torchft's Lighthouse protocol, for members with the job's secret, on loopback) and calls
 ``fn(comm, slot)`` on ``n`` threads, each with a :class:`~stratagem.ft.comm.FaultTolerantComm`
 of its own (its own manager, store, heal transport and process group), and returns their
 results in slot order. Faults are declared, as torchft's tests do
@@ -28,7 +28,6 @@ replacement had built its model, and it found nobody to heal from.
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 import traceback
@@ -38,7 +37,7 @@ from typing import Any
 
 from .._rendezvous import loopback_tcp_store
 from ..ft.comm import FaultTolerantComm
-from ..ft.launch import QuorumService
+from ..ft.launch import QuorumService, read_token_file
 
 __all__ = ["run_replicas", "ReplicaFaults", "ReplicaDied", "ReplicasStopped",
            "REPLACEMENT_WAIT"]
@@ -134,7 +133,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                  timeout: float = 10.0, deadline: float = 120.0,
                  absent: Sequence[int] = (), group_size: int = 1,
                  quorum_every: int | None = None,
-                 quorum_timeout: float | None = None) -> list[Any]:
+                 quorum_timeout: float | None = None,
+                 on_service: Callable[[QuorumService], None] | None = None) -> list[Any]:
     """Run ``fn(comm, *args)`` for ``n`` fault-tolerant replicas as threads (see the module
     docstring); a replica killed by ``faults`` is replaced by a new one in its slot (its
     result is the replacement's). The slots in ``absent`` are never started (as if they
@@ -145,12 +145,20 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
     the nodes of ``Hierarchical`` under ``sg.launch(..., nnodes=K, fault_tolerant=True)``;
     results are per process, ``n * G`` of them, in slot order (group by group).
     ``quorum_every``: :class:`~stratagem.ft.comm.FaultTolerantComm`'s (1: a quorum at every
-    step; None: its default); ``quorum_timeout`` likewise (None: ``max(timeout, 30)``)."""
+    step; None: its default); ``quorum_timeout`` likewise (None: ``max(timeout, 30)``).
+    ``on_service(service)`` is called once the quorum service listens, before any replica
+    starts."""
     service = QuorumService(num_slots=n, min_replicas=min_replicas)
+    if on_service is not None:
+        try:
+            on_service(service)
+        except BaseException:
+            service.stop()
+            raise
     job_store = loopback_tcp_store("127.0.0.1", 0, timeout=timedelta(seconds=30))
     if absent:  # counted as started: the live ones' first quorum does not wait for them
         job_store.add("ft/started", len(absent) * group_size)
-    token = secrets.token_hex(32).encode()
+    token = read_token_file(service.token_file)  # the job's secret, as a launcher gives it
     results: list[Any] = [None] * (n * group_size)
     errors: list[tuple[int, BaseException, str]] = []
     threads: list[threading.Thread] = []
