@@ -8,8 +8,8 @@ Runs ``tests/ft_scripts/train_ft.py`` (an MLP on 3000 synthetic 10-class digits)
   its defaults: quorum elision, ``quorum_every=32``: no quorum and commit calls while every
   replica is present);
 - ``ft-every-step``: the same with ``STRATAGEM_FT_QUORUM_EVERY=1`` (a quorum and a commit
-  vote at every step, torchft's own schedule; ``fault_tolerance_s6.md``'s ``ft-elided`` is
-  today's ``ft``);
+  vote at every step, torchft's own schedule; the ``ft-elided`` row of
+  ``git show 6fa400f:benchmarks/results/fault_tolerance_s6.md`` is today's ``ft``);
 - ``ft+kill``: ``ft``, with worker 1 SIGKILLed once training is under way.
 
 ``--rounds R`` runs the fault-free modes R times, in turn (plain, ft-every-step, ft, plain,
