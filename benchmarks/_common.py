@@ -512,6 +512,38 @@ def output_dir(args: argparse.Namespace) -> Path:
     return directory
 
 
+#: ``stratagem bench --quick`` (``make bench-quick``): small settings of every benchmark, on
+#: loopback, chosen so that the whole profile finishes in at most 10 minutes on a 2-core
+#: machine. Its figures show that each benchmark runs end to end, not results: the profile
+#: writes them to a temporary folder (``--out-dir``) and records only its own timings (in
+#: ``results/bench_quick``). A benchmark missing here runs its ``--smoke``.
+QUICK_PROFILE: dict[str, list[str]] = {
+    "mirrored_vs_ddp": ["--procs", "2", "--steps", "10", "--rounds", "4"],
+    "ps_throughput": ["--mb", "2", "--seconds", "1", "--rounds", "1", "--shards", "1",
+                      "--workers", "2"],
+    "compression": ["--epochs", "1", "--seeds", "0", "--rows", "10000"],
+    "convergence": ["--quick", "--links", "lo", "--workers", "2", "--max-epochs", "2",
+                    "--strategies", "mirrored,ps-async"],
+    "ckpt_hostile_memory": ["--gib", "1"],
+    "diloco_compression": ["--quick", "--links", "lo", "--workers", "2", "--max-steps", "32",
+                           "--period", "8", "--max-wall", "60"],
+    "fault_tolerance": ["--nproc", "2", "--steps", "50", "--width", "64", "--modes", "plain,ft"],
+    "ft_grid": ["--smoke"],  # 4 workers with kills do not fit the budget
+    "ft_kills": ["--smoke"],
+    "gpu": ["--smoke"],  # skipped without CUDA
+    "heal_transport": ["--mib", "16", "--repeat", "2"],
+    "hierarchical": ["--smoke"],  # anything more needs namespaces and 4 workers
+    "import_time": ["--rounds", "2"],
+    "lm": ["--quick", "--links", "lo", "--workers", "2", "--max-steps", "40",
+           "--strategies", "mirrored,diloco", "--max-wall", "60"],
+    "ps_demo_path": ["--rounds", "1", "--epochs", "1"],
+    "ps_prefetch": ["--hidden", "256", "--batch", "64", "--steps", "10", "--rounds", "2",
+                    "--modes", "async"],
+    "sharded_memory": ["--procs", "2", "--layers", "2", "--width", "128", "--vocab", "1024",
+                       "--heads", "4", "--skip-timing"],
+}
+
+
 def write_outputs(out: Path, table: str, meta: dict[str, Any], rows: list[dict[str, Any]],
                   runs: list[dict[str, Any]], *, wrote: str,
                   plot: Callable[[], None] | None = None) -> None:
