@@ -139,6 +139,12 @@ def sparse_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"bytes_sent_per_step": sent, "step_ms": 1e3 * seconds}
 
 
+def smoke_worker(jobs: list[dict[str, Any]], sparse_cfgs: list[dict[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``--smoke``: the MNIST runs and the sparse ones in one process per worker."""
+    return mnist_worker(jobs), [sparse_worker(cfg) for cfg in sparse_cfgs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rows", type=int, default=100_000)
     add_ledger_args(parser, smoke="1 seed, 2 steps of the first 2 rows, 2 sparse-embedding steps on "
-                                  "1,000 rows")
+                                  "1,000 rows, all in one launch")
     args = parser.parse_args(argv)
     out_dir = output_dir(args)
     max_steps = sparse_steps = None
@@ -160,7 +166,15 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = [{"strategy_args": strategy_args, "seed": seed, "epochs": args.epochs,
              "max_steps": max_steps} for _, strategy_args in runs for seed in args.seeds]
-    results = iter(launch(mnist_worker, nprocs=args.workers, args=(jobs,), timeout=3600)[0])
+    sparse_cfgs = [{"sparse": sparse, "rows": args.rows, "dim": 32, "batch": 64, "bag": 8,
+                    "steps": sparse_steps or 30} for sparse in (False, True)]
+    sparse_out: list[dict[str, Any]] | None = None
+    if args.smoke:  # one launch for everything: process start-up is most of a smoke
+        mnist_out, sparse_out = launch(smoke_worker, nprocs=args.workers,
+                                       args=(jobs, sparse_cfgs), timeout=600)[0]
+    else:
+        mnist_out = launch(mnist_worker, nprocs=args.workers, args=(jobs,), timeout=3600)[0]
+    results = iter(mnist_out)
     rows: list[dict[str, Any]] = []
     for label, strategy_args in runs:
         per_seed = [next(results) for _ in args.seeds]
@@ -179,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         row["bytes_ratio"] = row["bytes_sent_per_step"] / base["bytes_sent_per_step"]
 
     sparse_rows = []
-    for sparse in (False, True):
-        cfg = {"sparse": sparse, "rows": args.rows, "dim": 32, "batch": 64, "bag": 8,
-               "steps": sparse_steps or 30}
-        res = launch(sparse_worker, nprocs=args.workers, args=(cfg,), timeout=600)[0]
+    for i, cfg in enumerate(sparse_cfgs):
+        sparse = cfg["sparse"]
+        res = (sparse_out[i] if sparse_out is not None else
+               launch(sparse_worker, nprocs=args.workers, args=(cfg,), timeout=600)[0])
         sparse_rows.append({"embedding": "sparse=True" if sparse else "sparse=False (dense)",
                             **res})
         print(f"embedding sparse={sparse}: {res['bytes_sent_per_step']:,.0f} bytes sent/step, "
