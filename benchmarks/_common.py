@@ -454,7 +454,8 @@ def write_result(name: str, results: Any, markdown: str | list[str], *,
     """The one writer of a benchmark result: ``OUT_DIR/NAME.json`` (:func:`provenance` plus
     ``results``, inf/nan as null) and ``OUT_DIR/NAME.md`` (``markdown`` after a line with the
     commit, date, command, versions and host). ``out_dir`` defaults to ``results/``. Prints
-    the markdown (unless ``quiet``) and ``wrote OUT_DIR/NAME.json``; returns the JSON path."""
+    the markdown (unless ``quiet``) and ``wrote OUT_DIR/NAME.json and OUT_DIR/NAME.md``;
+    returns the JSON path."""
     directory = Path(out_dir) if out_dir is not None else RESULTS
     if "/" in name or name.startswith(".") or not name:
         raise ValueError(f"a result name is a file stem, got {name!r}. Fix: pass the directory "
@@ -514,7 +515,8 @@ def output_dir(args: argparse.Namespace) -> Path:
 
 #: ``stratagem bench --quick`` (``make bench-quick``): small settings of every benchmark, on
 #: loopback, chosen so that the whole profile finishes in at most 10 minutes on a 2-core
-#: machine. Its figures show that each benchmark runs end to end, not results: the profile
+#: machine (timed once at c76d27d beside other work: 11.4 min; ps_demo_path, lm and
+#: sharded_memory trimmed since, by about 2 minutes). Its figures show that each benchmark runs end to end, not results: the profile
 #: writes them to a temporary folder (``--out-dir``) and records only its own timings (in
 #: ``results/bench_quick``). A benchmark missing here runs its ``--smoke``.
 QUICK_PROFILE: dict[str, list[str]] = {
@@ -534,13 +536,12 @@ QUICK_PROFILE: dict[str, list[str]] = {
     "heal_transport": ["--mib", "16", "--repeat", "2"],
     "hierarchical": ["--smoke"],  # anything more needs namespaces and 4 workers
     "import_time": ["--rounds", "2"],
-    "lm": ["--quick", "--links", "lo", "--workers", "2", "--max-steps", "40",
+    "lm": ["--quick", "--links", "lo", "--workers", "2", "--max-steps", "24",
            "--strategies", "mirrored,diloco", "--max-wall", "60"],
-    "ps_demo_path": ["--rounds", "1", "--epochs", "1"],
+    "ps_demo_path": ["--rounds", "1", "--epochs", "1", "--rows", "mirrored,ps shm + doorbell"],
     "ps_prefetch": ["--hidden", "256", "--batch", "64", "--steps", "10", "--rounds", "2",
                     "--modes", "async"],
-    "sharded_memory": ["--procs", "2", "--layers", "2", "--width", "128", "--vocab", "1024",
-                       "--heads", "4", "--skip-timing"],
+    "sharded_memory": ["--smoke"],  # one launch; its three launches took 71 s
 }
 
 

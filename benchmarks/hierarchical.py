@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_one(key, link, seed, topo, args, Path(tmpdir))
                         runs.append(r)
                         harness._print_run(r)
-                        if r.get("error") is None:
+                        if r.get("error") is None and topo is not None:
                             print(f"{'':12s} inter-node {r['inter_node_bytes_per_step']:,.0f} "
                                   "B/step (veth counters)", flush=True)
     except KeyboardInterrupt:
