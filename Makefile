@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-gpu bench lint clean
+.PHONY: install demo test test-unit test-gpu bench bench-quick lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,8 +43,17 @@ test-unit: $(STAMP)
 test-gpu:
 	PYTHONPATH=src $(PY) -m pytest tests/gpu -rs
 
+# Every benchmark end to end (hours; shaped links need root), each writing its canonical
+# result to benchmarks/results/; the run records its own duration in results/bench.{json,md}.
+# ARGS are passed on (e.g. make bench ARGS=--quick, or ARGS="--out-dir /tmp/b").
 bench: $(STAMP)
-	$(BIN)/stratagem bench
+	$(BIN)/stratagem bench $(ARGS)
+
+# The quick profile (QUICK_PROFILE in benchmarks/_common.py): small settings on loopback, at
+# most 10 minutes on 2 cores; results to a temporary folder, its timings to
+# results/bench_quick.{json,md}.
+bench-quick: $(STAMP)
+	$(BIN)/stratagem bench --quick $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks

@@ -6,8 +6,13 @@
   ``diloco_compression.py`` and ``hierarchical.py``).
 - :func:`shaped_links_usable` and :func:`run_matrix`: the link x seed x strategy loop of those
   scripts, with the namespace set-up and clean-up on SIGTERM / Ctrl-C.
-- :func:`write_outputs` (the ``.md`` / ``.json`` results of those scripts) and
-  :func:`write_report` (the ``results/NAME.json`` / ``.md`` of the PS micro-benchmarks).
+- :func:`write_result`: the one writer of every benchmark's result, ``NAME.md`` and
+  ``NAME.json`` in one shape (name, commit, dirty, date, command, versions, host, duration_s,
+  and the benchmark's own payload under ``results``); :func:`write_outputs` and
+  :func:`write_report` are its front ends for the matrix scripts and the PS micro-benchmarks.
+- :func:`add_ledger_args` and :func:`output_dir`: ``--smoke`` (1-2 steps on loopback, the
+  result in a temporary folder) and ``--out-dir DIR``, the same in every script; a smoke run
+  never writes to ``results/``.
 
 Every script puts this folder first on ``sys.path`` (it is the script's own folder), so
 ``from _common import ...`` works both when run and when imported by another benchmark.
@@ -20,6 +25,8 @@ import contextlib
 import json
 import math
 import os
+import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +40,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+ROOT = HERE.parent
+#: When this process started its benchmark (every script imports this module first): the
+#: default ``duration_s`` of its result.
+_STARTED = time.monotonic()
 
 
 # =========================================================================== worker side
@@ -357,30 +368,202 @@ def run_matrix(links: list[str], seeds: Callable[[str], int], keys: list[str], t
     return runs
 
 
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _version(*dists: str) -> str | None:
+    """The installed version of the first of ``dists`` found (without importing it)."""
+    from importlib import metadata
+
+    for dist in dists:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(dist)
+    return None
+
+
+def _cpu_model() -> str:
+    for line in read_text(Path("/proc/cpuinfo")).splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _gpu() -> str | None:
+    """The first CUDA device's name, None without one (asks torch only when a benchmark
+    imported it already, else ``nvidia-smi``)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_available():
+                return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+            return None
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30).stdout.split("\n")
+            names = [n.strip() for n in names if n.strip()]
+            if names:
+                return f"{len(names)}x {names[0]}"
+    return None
+
+
+def provenance(name: str, *, duration_s: float | None = None,
+               command: str | None = None) -> dict[str, Any]:
+    """The ledger fields of a result: what ran (commit, whether the tree had uncommitted
+    changes, command), when, with which versions, on what host, for how long."""
+    script = Path(sys.argv[0])
+    with contextlib.suppress(ValueError):
+        script = script.resolve().relative_to(ROOT)
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "name": name,
+        "commit": _git("rev-parse", "--short=12", "HEAD"),
+        "dirty": None if dirty is None else bool(dirty),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command or " ".join(["python", str(script), *sys.argv[1:]]),
+        "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                     "torchft": _version("torchft-nightly", "torchft"),
+                     "grpcio": _version("grpcio")},
+        "host": {"cores": os.cpu_count(), "cpu": _cpu_model(), "gpu": _gpu()},
+        "duration_s": round(time.monotonic() - _STARTED if duration_s is None else duration_s,
+                            1),
+    }
+
+
+def _ledger_header(record: dict[str, Any]) -> list[str]:
+    v, h = record["versions"], record["host"]
+    commit = record["commit"] or "unknown"
+    if record.get("dirty"):
+        commit += " (with uncommitted changes)"
+    return [f"Commit {commit}, {record['date']}, {record['duration_s']:g} s. "
+            f"Command: `{record['command']}`", "",
+            f"Versions: Python {v['python']}, torch {v['torch']}, torchft {v['torchft']}, "
+            f"grpcio {v['grpcio']}. Host: {h['cores']} cores ({h['cpu']}), "
+            f"GPU: {h['gpu'] or 'none'}.", ""]
+
+
+def write_result(name: str, results: Any, markdown: str | list[str], *,
+                 out_dir: Path | str | None = None, duration_s: float | None = None,
+                 command: str | None = None, quiet: bool = False) -> Path:
+    """The one writer of a benchmark result: ``OUT_DIR/NAME.json`` (:func:`provenance` plus
+    ``results``, inf/nan as null) and ``OUT_DIR/NAME.md`` (``markdown`` after a line with the
+    commit, date, command, versions and host). ``out_dir`` defaults to ``results/``. Prints
+    the markdown (unless ``quiet``) and ``wrote OUT_DIR/NAME.json and OUT_DIR/NAME.md``;
+    returns the JSON path."""
+    directory = Path(out_dir) if out_dir is not None else RESULTS
+    if "/" in name or name.startswith(".") or not name:
+        raise ValueError(f"a result name is a file stem, got {name!r}. Fix: pass the directory "
+                         "as out_dir")
+    directory.mkdir(parents=True, exist_ok=True)
+    record = provenance(name, duration_s=duration_s, command=command)
+    record["results"] = _clean(results)
+    text = markdown if isinstance(markdown, str) else "\n".join(markdown)
+    lines = text.rstrip("\n").split("\n")
+    # The benchmark's title (if any) stays first; the ledger lines follow it.
+    head, body = ([lines[0], ""], lines[1:]) if lines[0].startswith("# ") else ([], lines)
+    while body and not body[0].strip():
+        body = body[1:]
+    (directory / f"{name}.md").write_text("\n".join([*head, *_ledger_header(record), *body])
+                                          + "\n")
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    if not quiet:
+        print()
+        print(text)
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+    return path
+
+
+def payload(data: dict[str, Any]) -> Any:
+    """A result JSON's benchmark payload: ``results`` of the ledger shape (or the whole of an
+    older file, written before the ledger)."""
+    return data["results"] if "results" in data and "commit" in data else data
+
+
+def add_ledger_args(p: argparse.ArgumentParser, *, smoke: str) -> None:
+    """``--smoke`` (described by ``smoke``: what the script runs then) and ``--out-dir``."""
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a seconds-long check that the script runs end to end ({smoke}); "
+                        "the result goes to a new temporary folder (or --out-dir), never to "
+                        "benchmarks/results/")
+    p.add_argument("--out-dir", default=None, metavar="DIR",
+                   help="write NAME.json / NAME.md here (default: benchmarks/results/, or a "
+                        "temporary folder with --smoke)")
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """Where the result goes: ``--out-dir``; else a new temporary folder for ``--smoke``, else
+    ``results/``. A smoke run refuses ``results/``: its figures are not results."""
+    if args.out_dir is not None:
+        directory = Path(args.out_dir)
+    elif args.smoke:
+        directory = Path(tempfile.mkdtemp(prefix="stratagem-bench-smoke-"))
+    else:
+        directory = RESULTS
+    if args.smoke and directory.resolve() == RESULTS.resolve():
+        raise SystemExit(f"--smoke never writes to {RESULTS}: its figures are not results. "
+                         "Fix: drop --out-dir, or point it elsewhere")
+    args.out_dir = str(directory)  # later calls (and child processes) use the same folder
+    return directory
+
+
+#: ``stratagem bench --quick`` (``make bench-quick``): small settings of every benchmark, on
+#: loopback, chosen so that the whole profile finishes in at most 10 minutes on a 2-core
+#: machine (timed once at c76d27d beside other work: 11.4 min; ps_demo_path, lm and
+#: sharded_memory trimmed since, by about 2 minutes). Its figures show that each benchmark runs end to end, not results: the profile
+#: writes them to a temporary folder (``--out-dir``) and records only its own timings (in
+#: ``results/bench_quick``). A benchmark missing here runs its ``--smoke``.
+QUICK_PROFILE: dict[str, list[str]] = {
+    "mirrored_vs_ddp": ["--procs", "2", "--steps", "10", "--rounds", "4"],
+    "ps_throughput": ["--mb", "2", "--seconds", "1", "--rounds", "1", "--shards", "1",
+                      "--workers", "2"],
+    "compression": ["--epochs", "1", "--seeds", "0", "--rows", "10000"],
+    "convergence": ["--quick", "--links", "lo", "--workers", "2", "--max-epochs", "2",
+                    "--strategies", "mirrored,ps-async"],
+    "ckpt_hostile_memory": ["--gib", "1"],
+    "diloco_compression": ["--quick", "--links", "lo", "--workers", "2", "--max-steps", "32",
+                           "--period", "8", "--max-wall", "60"],
+    "fault_tolerance": ["--nproc", "2", "--steps", "50", "--width", "64", "--modes", "plain,ft"],
+    "ft_grid": ["--smoke"],  # 4 workers with kills do not fit the budget
+    "ft_kills": ["--smoke"],
+    "gpu": ["--smoke"],  # skipped without CUDA
+    "heal_transport": ["--mib", "16", "--repeat", "2"],
+    "hierarchical": ["--smoke"],  # anything more needs namespaces and 4 workers
+    "import_time": ["--rounds", "2"],
+    "lm": ["--quick", "--links", "lo", "--workers", "2", "--max-steps", "24",
+           "--strategies", "mirrored,diloco", "--max-wall", "60"],
+    "ps_demo_path": ["--rounds", "1", "--epochs", "1", "--rows", "mirrored,ps shm + doorbell"],
+    "ps_prefetch": ["--hidden", "256", "--batch", "64", "--steps", "10", "--rounds", "2",
+                    "--modes", "async"],
+    "sharded_memory": ["--smoke"],  # one launch; its three launches took 71 s
+}
+
+
 def write_outputs(out: Path, table: str, meta: dict[str, Any], rows: list[dict[str, Any]],
                   runs: list[dict[str, Any]], *, wrote: str,
                   plot: Callable[[], None] | None = None) -> None:
-    """Write ``table`` to ``out.md`` and meta, summary rows and runs to ``out.json``, call
-    ``plot`` (if any), then print the table and ``wrote OUT.md`` + ``wrote``."""
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps(
-        _clean({"meta": meta, "summary": rows, "runs": runs}), indent=1, default=str))
+    """:func:`write_result` of ``OUT.md`` / ``OUT.json`` (``results``: meta, summary rows and
+    runs), then call ``plot`` (if any, it writes ``OUT.png``)."""
+    duration = meta.get("total_minutes")
+    write_result(out.name, {"meta": meta, "summary": rows, "runs": runs}, table,
+                 out_dir=out.parent, duration_s=None if duration is None else 60 * duration)
     if plot is not None:
         plot()
-    print()
-    print(table)
-    print(f"wrote {out.with_suffix('.md')}{wrote}")
+        if out.with_suffix(".png").exists():
+            print(f"wrote {out.with_suffix('.png')}")
 
 
 def write_report(name: str, meta: dict[str, Any], rows: list[dict[str, Any]],
-                 lines: list[str]) -> None:
-    """``results/NAME.json`` (meta and rows) and ``results/NAME.md`` (``lines``), then print
-    the lines."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                     indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                 lines: list[str], *, out_dir: Path | str | None = None) -> None:
+    """:func:`write_result` of ``NAME.json`` (``results``: meta and rows) and ``NAME.md``
+    (``lines``)."""
+    write_result(name, {"meta": meta, "rows": rows}, lines, out_dir=out_dir)
 
 
 def read_text(path: Path) -> str:
@@ -463,16 +646,30 @@ def matrix_parser(doc: str | None, *, table: Mapping[str, Any], quick: list[str]
                    help=f"smoke run: 1 seed, {quick_links.replace(',', ' + ')}, "
                         f"{', '.join(quick)}")
     p.add_argument("--workers", type=int, default=4)
+    add_ledger_args(p, smoke=f"2 workers on loopback, 1 seed, 2 steps, {quick[0]} unless "
+                             "--strategies says otherwise")
     return p
+
+
+def smoke_matrix(args: argparse.Namespace, p: argparse.ArgumentParser, first: str) -> None:
+    """``--smoke`` of a link x seed x strategy script: 1 seed, loopback, 2 workers, ``first``
+    only unless ``--strategies`` was given, 2 steps evaluated after each; the output under
+    :func:`output_dir` with the name of ``--out``."""
+    args.seeds, args.links, args.workers = "1", "lo", 2
+    if args.strategies == p.get_default("strategies"):
+        args.strategies = first
+    args.max_steps, args.eval_every, args.timeout, args.run_timeout = 2, 1, 60.0, 120.0
+    args.out = str(output_dir(args) / Path(args.out).name)
 
 
 def parse_matrix_args(p: argparse.ArgumentParser, argv: list[str] | None, *, out: Path,
                       quick: list[str], quick_links: str) -> argparse.Namespace:
     """Add the output and the (hidden) child-process options to ``p`` and parse ``argv``;
     ``--quick`` means 1 seed, ``quick_links`` and the ``quick`` strategies unless those
-    were given."""
+    were given; ``--smoke`` is :func:`smoke_matrix`."""
     p.add_argument("--out", default=str(out),
-                   help="output path without extension (.json, .md, .png are written)")
+                   help="output path without extension (.json, .md, .png are written); a "
+                        "bare name goes under --out-dir")
     p.add_argument("--from-json", metavar="PATH",
                    help="only re-render the table and plot from an earlier run's JSON")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -484,6 +681,10 @@ def parse_matrix_args(p: argparse.ArgumentParser, argv: list[str] | None, *, out
             args.links = quick_links
         if args.strategies == p.get_default("strategies"):
             args.strategies = ",".join(quick)
+    if args.smoke:
+        smoke_matrix(args, p, quick[0])
+    elif args.out_dir is not None:
+        args.out = str(Path(args.out_dir) / Path(args.out).name)
     return args
 
 
@@ -537,7 +738,7 @@ def rewrite_from_json(path: str, out: Path,
                       write_results: Callable[[dict[str, Any], list[dict[str, Any]],
                                                list[str], Path], None]) -> int:
     """``--from-json PATH``: re-render the table (and plot) of an earlier run, no training."""
-    data = json.loads(Path(path).read_text())
+    data = payload(json.loads(Path(path).read_text()))
     meta, runs = data["meta"], data["runs"]
     write_results(meta, runs, list(meta["strategies"]), out)
     return 0

@@ -13,13 +13,12 @@ bytes on the wire.
    bytes per step and step time with ``sparse=True`` (rows exchanged as indices + values)
    against ``sparse=False`` (the whole table all-reduced).
 
-Writes ``benchmarks/results/compression.{json,md}`` and prints the tables.
+Writes ``benchmarks/results/compression.{json,md}`` (``--smoke``: a temporary folder) and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_ledger_args, output_dir, write_result  # noqa: E402
 
 RUNS: list[tuple[str, dict[str, Any]]] = [
     ("fp32 wire (no compression)", {}),
@@ -70,12 +70,18 @@ def _mnist_run(cfg: dict[str, Any], data: Any) -> dict[str, Any]:
     loader = strategy.distribute_dataset((X_train, y_train), 128, shuffle=True, seed=cfg["seed"])
     start_bytes = strategy.metrics()["bytes_sent"]
     t0 = time.perf_counter()
+    steps, max_steps = 0, cfg.get("max_steps")
     for epoch in range(cfg["epochs"]):
         loader.set_epoch(epoch)
         for x, y in loader:
             strategy.backward(F.cross_entropy(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+        if max_steps is not None and steps >= max_steps:
+            break
     wall = time.perf_counter() - t0
     metrics = strategy.metrics()
     attempted = metrics["steps"] + metrics["skipped_steps"]  # a skipped step still communicated
@@ -133,6 +139,12 @@ def sparse_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"bytes_sent_per_step": sent, "step_ms": 1e3 * seconds}
 
 
+def smoke_worker(jobs: list[dict[str, Any]], sparse_cfgs: list[dict[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``--smoke``: the MNIST runs and the sparse ones in one process per worker."""
+    return mnist_worker(jobs), [sparse_worker(cfg) for cfg in sparse_cfgs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,14 +152,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rows", type=int, default=100_000)
+    add_ledger_args(parser, smoke="1 seed, 2 steps of the first 2 rows, 2 sparse-embedding steps on "
+                                  "1,000 rows, all in one launch")
     args = parser.parse_args(argv)
+    out_dir = output_dir(args)
+    max_steps = sparse_steps = None
+    runs = RUNS
+    if args.smoke:
+        runs = RUNS[:2]
+        args.epochs, args.seeds, args.workers, args.rows = 1, [0], 2, 1_000
+        max_steps = sparse_steps = 2
     from stratagem.launcher import launch
 
-    jobs = [{"strategy_args": strategy_args, "seed": seed, "epochs": args.epochs}
-            for _, strategy_args in RUNS for seed in args.seeds]
-    results = iter(launch(mnist_worker, nprocs=args.workers, args=(jobs,), timeout=3600)[0])
+    jobs = [{"strategy_args": strategy_args, "seed": seed, "epochs": args.epochs,
+             "max_steps": max_steps} for _, strategy_args in runs for seed in args.seeds]
+    sparse_cfgs = [{"sparse": sparse, "rows": args.rows, "dim": 32, "batch": 64, "bag": 8,
+                    "steps": sparse_steps or 30} for sparse in (False, True)]
+    sparse_out: list[dict[str, Any]] | None = None
+    if args.smoke:  # one launch for everything: process start-up is most of a smoke
+        mnist_out, sparse_out = launch(smoke_worker, nprocs=args.workers,
+                                       args=(jobs, sparse_cfgs), timeout=600)[0]
+    else:
+        mnist_out = launch(mnist_worker, nprocs=args.workers, args=(jobs,), timeout=3600)[0]
+    results = iter(mnist_out)
     rows: list[dict[str, Any]] = []
-    for label, strategy_args in RUNS:
+    for label, strategy_args in runs:
         per_seed = [next(results) for _ in args.seeds]
         accs = [r["accuracy"] for r in per_seed]
         row = {"run": label, "strategy_args": strategy_args, "accuracies": accs,
@@ -164,18 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         row["bytes_ratio"] = row["bytes_sent_per_step"] / base["bytes_sent_per_step"]
 
     sparse_rows = []
-    for sparse in (False, True):
-        cfg = {"sparse": sparse, "rows": args.rows, "dim": 32, "batch": 64, "bag": 8, "steps": 30}
-        res = launch(sparse_worker, nprocs=args.workers, args=(cfg,), timeout=600)[0]
+    for i, cfg in enumerate(sparse_cfgs):
+        sparse = cfg["sparse"]
+        res = (sparse_out[i] if sparse_out is not None else
+               launch(sparse_worker, nprocs=args.workers, args=(cfg,), timeout=600)[0])
         sparse_rows.append({"embedding": "sparse=True" if sparse else "sparse=False (dense)",
                             **res})
         print(f"embedding sparse={sparse}: {res['bytes_sent_per_step']:,.0f} bytes sent/step, "
               f"{res['step_ms']:.2f} ms/step", flush=True)
     sparse_ratio = sparse_rows[1]["bytes_sent_per_step"] / sparse_rows[0]["bytes_sent_per_step"]
 
-    cmd = "python benchmarks/compression.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = ["# Mirrored: gradient compression, mixed precision, sparse gradients", "",
-          f"Command: `{cmd.strip()}`", "",
           f"MNIST-5k (4,000 train / 1,000 test), MLP 784-256-256-10, Adam lr 2e-3, global batch "
           f"128, {args.epochs} epochs, {args.workers} worker processes (gloo, CPU), seeds "
           f"{args.seeds}. Accuracy: mean test accuracy over seeds (per seed in brackets). "
@@ -195,13 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in sparse_rows:
         md.append(f"| {r['embedding']} | {r['bytes_sent_per_step']:,.0f} | {r['step_ms']:.2f} |")
     md += ["", f"Sparse / dense bytes: {sparse_ratio:.4f}."]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "compression.json").write_text(json.dumps(
-        {"mnist": rows, "sparse": sparse_rows, "sparse_over_dense_bytes": sparse_ratio,
-         "command": cmd.strip()}, indent=1))
-    (RESULTS / "compression.md").write_text("\n".join(md) + "\n")
-    print()
-    print("\n".join(md))
+    write_result("compression", {"mnist": rows, "sparse": sparse_rows,
+                                 "sparse_over_dense_bytes": sparse_ratio}, md, out_dir=out_dir)
     return 0
 
 

@@ -194,6 +194,8 @@ def worker_main(cfg_path: str) -> int:
                     # every worker joins it while worker 0 evaluates.
                     strategy.eval_model(model)
                     stop = ctrl.get(f"{_TAG}go/{step}") == b"stop"
+            if cfg.get("max_steps") and step >= int(cfg["max_steps"]):
+                stop = True  # --smoke: every worker stops at the same step
             if stop:
                 break
         if stop:
@@ -264,7 +266,8 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
            "hidden": 256, "lr": 2e-3, "global_batch_size": 128, "eval_every": args.eval_every,
            "target": args.target, "max_epochs": args.max_epochs, "timeout": args.timeout,
-           "early_stop": not args.no_early_stop, "result_dir": str(run_dir)}
+           "early_stop": not args.no_early_stop, "result_dir": str(run_dir),
+           "max_steps": getattr(args, "max_steps", None)}
     out, chief, ranks = run_job(
         str(Path(__file__).resolve()), run_dir, cfg,
         {"strategy": key, "link": link, "seed": seed, "strategy_args": strategy_args},

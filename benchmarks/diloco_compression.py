@@ -56,7 +56,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import lm  # noqa: E402 - the worker, the job runner and the model of benchmarks/lm.py
 from _common import (  # noqa: E402
+    add_ledger_args,
     choose,
+    output_dir,
     rewrite_from_json,
     run_matrix,
     shaped_links_usable,
@@ -282,10 +284,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="inner steps between outer syncs of every DiLoCo row (default 32, "
                         "lm.py's tuning; smaller periods make the job communication-bound "
                         "on this machine's slow CPUs, as larger models are on GPUs)")
-    p.add_argument("--out", default=str(RESULTS / "diloco_compression"))
+    p.add_argument("--out", default=str(RESULTS / "diloco_compression"),
+                   help="output path without extension; a bare name goes under --out-dir")
     p.add_argument("--from-json", metavar="PATH")
+    add_ledger_args(p, smoke="the diloco row, period 2, 2 workers on loopback, 2 steps")
     args = p.parse_args(argv)
     args.variant = []
+    if args.smoke:
+        args.seeds, args.links, args.workers, args.period = 1, "lo", 2, 2
+        if args.strategies == p.get_default("strategies"):
+            args.strategies = "diloco"
+        args.max_steps, args.eval_every, args.timeout, args.run_timeout = 2, 1, 60.0, 120.0
+        args.out = str(output_dir(args) / Path(args.out).name)
+    elif args.out_dir is not None:
+        args.out = str(Path(args.out_dir) / Path(args.out).name)
     if args.quick:
         args.seeds = 1
         if args.links == p.get_default("links"):

@@ -8,8 +8,8 @@ Runs ``tests/ft_scripts/train_ft.py`` (an MLP on 3000 synthetic 10-class digits)
   its defaults: quorum elision, ``quorum_every=32``: no quorum and commit calls while every
   replica is present);
 - ``ft-every-step``: the same with ``STRATAGEM_FT_QUORUM_EVERY=1`` (a quorum and a commit
-  vote at every step, torchft's own schedule; ``fault_tolerance_s6.md``'s ``ft-elided`` is
-  today's ``ft``);
+  vote at every step, torchft's own schedule; the ``ft-elided`` row of
+  ``git show 6fa400f:benchmarks/results/fault_tolerance_s6.md`` is today's ``ft``);
 - ``ft+kill``: ``ft``, with worker 1 SIGKILLed once training is under way.
 
 ``--rounds R`` runs the fault-free modes R times, in turn (plain, ft-every-step, ft, plain,
@@ -18,7 +18,8 @@ Runs ``tests/ft_scripts/train_ft.py`` (an MLP on 3000 synthetic 10-class digits)
 Reports the median step time (from each worker's per-step timestamps, after warm-up), the
 fault-tolerant/plain ratio, the time lost to the kill (the longest gap between committed
 steps on the survivors minus the median step), the replacement's time from kill to its first
-step, and the final accuracy. Results: ``benchmarks/results/fault_tolerance.{json,md}``.
+step, and the final accuracy. Results: ``benchmarks/results/fault_tolerance.{json,md}``
+(``--smoke``: a temporary folder).
 
 Not measured here (see docs/status.md): torchft written by hand, restart-all + resume.
 
@@ -29,7 +30,6 @@ Not measured here (see docs/status.md): torchft written by hand, restart-all + r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import add_ledger_args, output_dir, write_result  # noqa: E402
+
 SCRIPT = ROOT / "tests" / "ft_scripts" / "train_ft.py"
 
 
@@ -106,8 +109,12 @@ def main() -> None:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--modes", default="plain,ft-every-step,ft,ft+kill")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", dest="out_dir", help=argparse.SUPPRESS)  # the old --out-dir
+    add_ledger_args(p, smoke="plain mode only, 2 workers, 2 steps, width 16")
     args = p.parse_args()
+    if args.smoke:
+        args.nproc, args.steps, args.width, args.rounds, args.modes = 2, 2, 16, 1, "plain"
+    out_dir = output_dir(args)
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     ratios: dict[str, list[float]] = {m: [] for m in modes}
@@ -137,8 +144,6 @@ def main() -> None:
         r["step_vs_plain"] = (statistics.median(r["round_ratios_vs_plain"])
                               if r["round_ratios_vs_plain"] else
                               (r["median_step_ms"] / base if base else float("nan")))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "fault_tolerance.json").write_text(json.dumps(rows, indent=1))
     lines = ["| mode | median step ms (per round) | vs plain (median of per-round ratios; "
              "each) | time lost per failure s | kill -> replacement's first step s | "
              "accuracy | wall s |", "|---|---|---|---:|---:|---:|---:|"]
@@ -152,10 +157,7 @@ def main() -> None:
                      f"{'' if lost is None else f'{lost:.2f}'} | "
                      f"{'' if back is None else f'{back:.1f}'} | {r['accuracy']:.4f} | "
                      f"{r['wall_s']:.1f} |")
-    text = "\n".join(lines)
-    cmd = " ".join(["python", "benchmarks/fault_tolerance.py", *sys.argv[1:]])
-    (Path(args.out) / "fault_tolerance.md").write_text(f"`{cmd}`\n\n{text}\n")
-    print(text)
+    write_result("fault_tolerance", rows, lines, out_dir=out_dir)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ the goodput compares the wall time each system needed for them. Systems:
 - ``restart-all``: ``stratagem run --nproc 4 --max-restarts N`` with ``Mirrored`` (torchrun
   restarts the whole group on a failure), ``strategy.save`` every ``--ckpt-every`` steps and
   ``strategy.restore`` at start-up;
-- ``torchft``: ``benchmarks/ft_grid_torchft.py`` (torchft ``Manager`` + Lighthouse on
+- ``torchft``: ``benchmarks/_ft_grid_torchft.py`` (torchft ``Manager`` + Lighthouse on
   127.0.0.1 + ``ProcessGroupGloo`` + ``manager.allreduce`` of the gradients, its HTTP heal
   transport, which unpickles: loopback only), supervised here (a dead worker restarted alone).
 
@@ -42,7 +42,7 @@ Columns (``timeline``: for each step number, the first time any worker committed
     PYTHONPATH=src python benchmarks/ft_grid.py [--periods 15,30,60] [--steps 1000]
         [--step-sleep 0.05] [--ckpt-every 50] [--systems ft-mirrored,ft-diloco,restart-all,torchft]
 
-Writes benchmarks/results/ft_grid.{json,md}.
+Writes benchmarks/results/ft_grid.{json,md} (``--smoke``: a temporary folder).
 """
 
 from __future__ import annotations
@@ -60,11 +60,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ft_progress, ft_stamps, read_text, split_list, write_report
+from _common import (
+    add_ledger_args,
+    ft_progress,
+    ft_stamps,
+    output_dir,
+    read_text,
+    split_list,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "tests" / "ft_scripts" / "train_ft.py"
-TORCHFT = Path(__file__).resolve().parent / "ft_grid_torchft.py"
+TORCHFT = Path(__file__).resolve().parent / "_ft_grid_torchft.py"
 NPROC = 4
 SHARE = 15  # samples per worker per step (global batch 60)
 SYSTEMS = ("ft-mirrored", "ft-diloco", "restart-all", "torchft")
@@ -316,8 +324,16 @@ def main() -> None:
                    help="no kill once the job is past this fraction of its steps (a replacement "
                         "must have time to come back before the others finish)")
     p.add_argument("--max-wall", type=float, default=900.0, help="per run, seconds")
-    p.add_argument("--out", default="ft_grid", help="results/OUT.{json,md} (default ft_grid)")
+    p.add_argument("--out", default="ft_grid", help="the result's name: OUT.{json,md}")
+    add_ledger_args(p, smoke="ft-mirrored only, fault-free, 2 workers, 3 steps")
     args = p.parse_args()
+    if args.smoke:
+        global NPROC
+        NPROC = 2
+        args.periods, args.steps, args.step_sleep, args.width = "", 3, 0.0, 16
+        if args.systems == p.get_default("systems"):
+            args.systems = "ft-mirrored"
+    out_dir = output_dir(args)
     systems = split_list(args.systems)
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -379,7 +395,8 @@ def main() -> None:
     lines += ["", "Bytes per heal: stratagem, what the joiner's SafeHealTransport received; "
               "torchft, the tensors of the state dict it received; restart-all, the "
               "checkpoint times 4 workers reading it."]
-    write_report(args.out, {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines)
+    write_report(args.out, {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines,
+                 out_dir=out_dir)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ processes and each restarts that whole group.
     PYTHONPATH=src python benchmarks/ft_kills.py [--strategies mirrored,local_sgd,diloco,easgd]
         [--steps 1000] [--step-sleep 0.03]
 
-Writes benchmarks/results/ft_kills.{json,md}.
+Writes benchmarks/results/ft_kills.{json,md} (``--smoke``: a temporary folder).
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ft_progress, ft_stamps, split_list, write_report
+from _common import (
+    add_ledger_args,
+    ft_progress,
+    ft_stamps,
+    output_dir,
+    split_list,
+    write_report,
+)
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,12 +151,22 @@ def main() -> None:
     p.add_argument("--model", choices=["mlp", "gpt"], default="mlp",
                    help="mlp: MNIST-5k MLP (accuracy); gpt: the character-level GPT on the LM "
                         "demo's corpus (validation loss)")
-    p.add_argument("--out", default="ft_kills",
-                   help="results/OUT.{json,md} (default ft_kills)")
+    p.add_argument("--out", default="ft_kills", help="the result's name: OUT.{json,md}")
+    add_ledger_args(p, smoke="mirrored only, fault-free (no kill), 2 workers, 3 steps")
     args = p.parse_args()
+    if args.smoke:
+        global NPROC
+        NPROC = 2
+        args.steps, args.step_sleep = 3, 0.0
+        if args.strategies == p.get_default("strategies"):
+            args.strategies = "mirrored"
+    out_dir = output_dir(args)
     rows = []
     for strategy in split_list(args.strategies):
         free = run(strategy, args.steps, args.step_sleep, kills=False, model=args.model)
+        if args.smoke:  # the kill plan (slots 1, 2, 3) needs 4 workers
+            rows.append(free)
+            continue
         hit = run(strategy, args.steps, args.step_sleep, kills=True, model=args.model)
         # The GPT's metric is the validation loss: its change is in percent of fault-free's.
         hit["accuracy_delta_points"] = (
@@ -184,7 +201,8 @@ def main() -> None:
             f"{'' if lost is None else ', '.join(f'{x:.2f}' for x in lost)} | "
             f"{'' if back is None else ', '.join(f'{x:.1f}' for x in back)} | "
             f"{r['median_step_ms']:.1f} |")
-    write_report(args.out, {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines)
+    write_report(args.out, {"argv": sys.argv[1:], "nproc": NPROC}, rows, lines,
+                 out_dir=out_dir)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,22 @@
 """Strategy overhead on a GPU: stratagem's step against the plain PyTorch step on the same
 model, data and device, in alternating blocks of one run (so drift hits both).
 
-    python benchmarks/gpu.py [--steps 50] [--rounds 10] [--width 4096] [--smoke] [--out DIR]
+    python benchmarks/gpu.py [--steps 50] [--rounds 10] [--width 4096] [--smoke] [--out-dir DIR]
 
 Rows: ``OneDevice`` vs a plain loop under fp32, bf16 (``torch.autocast``) and fp16
 (``torch.amp.GradScaler``); and, when the machine has two GPUs or more, ``Mirrored`` vs raw
 ``DistributedDataParallel`` over NCCL in 2 processes. Prints the median of the per-round
 ratios with their range and writes ``gpu.json`` / ``gpu.md`` to ``benchmarks/results`` (or
-``--out``). ``--smoke``: 2 steps, 1 round, output to a temporary folder. Needs CUDA; says so
-and exits 2 without it.
+``--out-dir``). ``--smoke``: 2 steps, 1 round, width 256, output to a temporary folder. Needs
+CUDA: without it, says so and exits 2, or with ``--smoke`` prints ``skipped: no CUDA`` and
+exits 0 (there is no CPU path to check: every row times CUDA work).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_ledger_args, output_dir, write_result  # noqa: E402
 
 
 def _model(width: int) -> nn.Module:
@@ -146,16 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", dest="out_dir", help=argparse.SUPPRESS)  # the old --out-dir
+    add_ledger_args(p, smoke="2 steps, 1 round, width 256; without CUDA: skipped, exit 0")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
+        if args.smoke:
+            print("skipped: no CUDA (benchmarks/gpu.py times CUDA work only)")
+            return 0
         print("benchmarks/gpu.py needs a CUDA device (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     cfg = {"steps": 2 if args.smoke else args.steps, "rounds": 1 if args.smoke else args.rounds,
            "width": 256 if args.smoke else args.width, "batch": args.batch}
-    out = Path(args.out) if args.out else (Path(tempfile.mkdtemp()) if args.smoke else RESULTS)
+    out = output_dir(args)
     rows = [one_device_row(cfg, precision) for precision in ("fp32", "bf16", "fp16")]
     gpus = torch.cuda.device_count()
     if gpus >= 2:
@@ -169,11 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio_min": lo, "ratio_max": hi})
     host = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
             "cuda": torch.version.cuda}
-    cmd = "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = [f"# Strategy overhead on a GPU\n\nHost: {host['gpu']} x{gpus}, torch {host['torch']} "
           f"(CUDA {host['cuda']}). MLP 1024-{cfg['width']}-{cfg['width']}-10, batch "
           f"{cfg['batch']}, {cfg['rounds']} alternating rounds of {cfg['steps']} steps after a "
-          f"warm-up; the ratio is the median of the per-round ratios.\n\nCommand: `{cmd}`\n",
+          f"warm-up; the ratio is the median of the per-round ratios.\n",
           "| case | stratagem ms/step | plain ms/step | ratio (median) | per-round range |",
           "|---|---:|---:|---:|---|"]
     for r in rows:
@@ -181,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['ratio']:.3f} | {r['ratio_min']:.3f}..{r['ratio_max']:.3f} |")
     if gpus < 2:
         md.append("\nMirrored vs DDP over NCCL needs two GPUs: not run (one GPU here).")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps({"host": host, "command": cmd, "rows": rows},
-                                             indent=1))
-    (out / "gpu.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_result("gpu", {"host": host, "rows": rows}, md, out_dir=out)
     return 0
 
 

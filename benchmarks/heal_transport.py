@@ -7,15 +7,15 @@ on loopback, in one run.
 A torchft-shaped state (``{"user": {"model": ...}, "torchft": {...}}``, fp32 tensors of 1 MiB)
 is sent by one transport and received by another; the time is ``send_checkpoint`` +
 ``recv_checkpoint`` (best and median of ``--repeat``). Writes
-``benchmarks/results/heal_transport.{json,md}`` and prints the table with the ratio.
+``benchmarks/results/heal_transport.{json,md}`` (``--smoke``: a temporary folder) and prints the table with the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import statistics
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_ledger_args, output_dir, write_result  # noqa: E402
 
 
 def _measure(make: Any, state: dict[str, Any], repeat: int) -> list[float]:
@@ -48,7 +49,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="state size in MiB")
     parser.add_argument("--repeat", type=int, default=3)
+    add_ledger_args(parser, smoke="a 1 MiB state, once")
     args = parser.parse_args()
+    if args.smoke:
+        args.mib, args.repeat = 1, 1
+    out_dir = output_dir(args)
     from torchft.checkpointing.http_transport import HTTPTransport
 
     from stratagem.ft.transport import SafeHealTransport
@@ -67,17 +72,13 @@ def main() -> None:
         rows.append({"transport": name, "best_s": min(times), "median_s": statistics.median(times),
                      "mib_per_s": args.mib / min(times)})
     ratio = rows[1]["best_s"] / rows[0]["best_s"]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "heal_transport.json").write_text(json.dumps(
-        {"mib": args.mib, "repeat": args.repeat, "rows": rows, "ratio_safe_over_http": ratio},
-        indent=2))
     lines = [f"Heal of a {args.mib} MiB state on loopback (send + receive, {args.repeat} runs)", "",
              "| transport | best s | median s | MiB/s |", "|---|---|---|---|"]
     lines += [f"| {r['transport']} | {r['best_s']:.3f} | {r['median_s']:.3f} | "
               f"{r['mib_per_s']:.0f} |" for r in rows]
     lines += ["", f"SafeHealTransport / HTTPTransport (best): {ratio:.2f}x"]
-    (RESULTS / "heal_transport.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result("heal_transport", {"mib": args.mib, "repeat": args.repeat, "rows": rows,
+                                    "ratio_safe_over_http": ratio}, lines, out_dir=out_dir)
 
 
 if __name__ == "__main__":

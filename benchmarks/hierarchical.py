@@ -52,7 +52,14 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "src"))  # a source checkout without `pip install -e`
 
 import convergence as harness  # noqa: E402 - after the path set-up above
-from _common import _interrupt, choose, split_list, write_outputs  # noqa: E402
+from _common import (  # noqa: E402
+    _interrupt,
+    add_ledger_args,
+    choose,
+    output_dir,
+    split_list,
+    write_outputs,
+)
 
 NNODES = 2
 #: name -> (registry name, strategy arguments, needs a PS shard, synchronous): the same
@@ -78,7 +85,19 @@ def _available(name: str) -> bool:
 
 def run_one(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace,
             tmp: Path) -> dict[str, Any]:
-    """One job on the 2-node topology, with the veth counters read around it."""
+    """One job on the 2-node topology, with the veth counters read around it (``topo`` None,
+    on loopback: the strategy's own count only)."""
+    if topo is None:
+        r = harness.run_once(key, link, seed, None, args, tmp, spec=STRATEGIES[key],
+                             nnodes=NNODES)
+        r["inter_node_bytes"] = None
+        if r.get("error") is None:
+            m, steps = r.get("metrics", {}), max(1, int(r["steps"]))
+            r["inter_node_bytes_per_step"] = math.nan
+            if "inter_node_bytes_sent" in m:
+                r["metrics_inter_node_bytes_per_step"] = (
+                    m["inter_node_bytes_sent"] + m["inter_node_bytes_received"]) / steps
+        return r
     before = [topo.link_bytes(i) for i in range(NNODES)]
     r = harness.run_once(key, link, seed, topo, args, tmp, spec=STRATEGIES[key], nnodes=NNODES)
     after = [topo.link_bytes(i) for i in range(NNODES)]
@@ -223,11 +242,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 seed, 20mbit only")
     harness.add_job_arguments(p)
     p.add_argument("--out", default=str(RESULTS / "hierarchical"),
-                   help="output path without extension (.json and .md are written)")
+                   help="output path without extension (.json and .md are written); a bare "
+                        "name goes under --out-dir")
+    add_ledger_args(p, smoke=f"hierarchical, {NNODES} nodes of 1 worker on loopback (no "
+                             "namespaces: inter-node bytes from the strategy's own count), "
+                             "2 steps")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.links = 1, "20mbit"
     args.workers = 2 * NNODES  # convergence.run_once reads it
+    if args.smoke:
+        args.seeds, args.links, args.workers = 1, "lo", NNODES
+        if args.strategies == p.get_default("strategies"):
+            args.strategies = "hierarchical"
+        args.max_steps, args.eval_every, args.timeout, args.run_timeout = 2, 1, 60.0, 120.0
+        args.out = str(output_dir(args) / Path(args.out).name)
+    elif args.out_dir is not None:
+        args.out = str(Path(args.out_dir) / Path(args.out).name)
     return args
 
 
@@ -238,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     strategies = choose(args.strategies, STRATEGIES)
     if strategies is None:
         return 2
-    reason = netns_unavailable_reason()
+    reason = None if args.smoke else netns_unavailable_reason()
     if reason is not None:
         print(f"this benchmark needs 2 network namespaces with shaped links: {reason}",
               file=sys.stderr)
@@ -260,16 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     # The bridge holds the control store (root namespace): a subnet of its own so that a
     # concurrent convergence/lm benchmark (10.77.0.0/24) does not share the route.
-    topo = Topology(NNODES, subnet="10.76.0", bridge_ip=True)
+    topo = None if args.smoke else Topology(NNODES, subnet="10.76.0", bridge_ip=True)
     t_start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # -> KeyboardInterrupt: clean up below
     try:
         with tempfile.TemporaryDirectory(prefix="sg-hierarchical-") as tmpdir:
-            topo.up()
+            if topo is not None:
+                topo.up()
             for link in links:
-                topo.shape(link)
+                if topo is not None:
+                    topo.shape(link)
                 for seed in range(args.seeds):
                     order = runnable[seed % max(1, len(runnable)):] + \
                         runnable[:seed % max(1, len(runnable))]
@@ -277,14 +310,15 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_one(key, link, seed, topo, args, Path(tmpdir))
                         runs.append(r)
                         harness._print_run(r)
-                        if r.get("error") is None:
+                        if r.get("error") is None and topo is not None:
                             print(f"{'':12s} inter-node {r['inter_node_bytes_per_step']:,.0f} "
                                   "B/step (veth counters)", flush=True)
     except KeyboardInterrupt:
         print("interrupted: cleaning up and writing partial results", file=sys.stderr)
         notes.append("interrupted: partial results")
     finally:
-        topo.down()
+        if topo is not None:
+            topo.down()
     meta["total_minutes"] = (time.perf_counter() - t_start) / 60
     write_results(meta, runs, strategies, out)
     return 0 if all(r.get("error") is None for r in runs) else 1

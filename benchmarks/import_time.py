@@ -1,6 +1,6 @@
 """Start-up cost of stratagem: two source trees compared side by side in one run.
 
-    python benchmarks/import_time.py --before-src /work/main/src [--after-src src] [--rounds 5]
+    python benchmarks/import_time.py [--before-src /work/main/src] [--after-src src] [--rounds 5]
 
 Each round runs, for each tree (in the order A B, then B A in the next round, so drift hits
 both), a fresh interpreter with ``PYTHONPATH=<tree>``:
@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_ledger_args, output_dir, write_result  # noqa: E402
+
 HERE = Path(__file__).resolve().parents[1] / "src"
 
 _IMPORT = (
@@ -92,10 +94,8 @@ def measure(trees: dict[str, Path], rounds: int) -> dict[str, Any]:
     return out
 
 
-def write(result: dict[str, Any], load: tuple[float, float, float]) -> None:
-    RESULTS.mkdir(exist_ok=True)
+def write(result: dict[str, Any], load: tuple[float, float, float], out_dir: Path) -> None:
     result["load_average"] = load
-    (RESULTS / "import_time.json").write_text(json.dumps(result, indent=1))
     lines = [
         "# Start-up cost: `import stratagem` (after torch) and a `stratagem --help` process",
         "",
@@ -117,21 +117,26 @@ def write(result: dict[str, Any], load: tuple[float, float, float]) -> None:
                      + ", ".join(f"{x:.2f}" for x in r["per_round"]) + " |")
     lines += ["", "`torch.distributed.tensor` imported by `import stratagem`: "
               + ", ".join(f"{k} {v}" for k, v in result["dtensor_imported"].items()), ""]
-    (RESULTS / "import_time.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_result("import_time", result, lines, out_dir=out_dir)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before-src", type=Path, required=True,
-                        help="the src/ directory of the tree to compare against (e.g. main's)")
+    parser.add_argument("--before-src", type=Path, default=None,
+                        help="the src/ directory of the tree to compare against (e.g. main's; "
+                             "default: --after-src itself, which measures the noise floor)")
     parser.add_argument("--after-src", type=Path, default=HERE)
     parser.add_argument("--rounds", type=int, default=5)
+    add_ledger_args(parser, smoke="1 round, this tree against itself")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds = 1
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    result = measure({"before": args.before_src, "after": args.after_src}, args.rounds)
-    write(result, os.getloadavg())
+    out_dir = output_dir(args)
+    before = args.after_src if args.before_src is None else args.before_src
+    result = measure({"before": before, "after": args.after_src}, args.rounds)
+    write(result, os.getloadavg(), out_dir)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Prints the Mirrored/DDP ratio of median step times per process count and writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_ledger_args, output_dir, write_result  # noqa: E402
 
 
 def _model(seed: int, width: int) -> nn.Module:
@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attribute", action="store_true",
                         help="add a third arm, raw DDP plus Mirrored's non-finite gradient "
                              "check, to show how much of the gap that check is")
+    add_ledger_args(parser, smoke="2 processes, 1 round of 2 steps, width 64")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.procs, args.steps, args.rounds, args.width = [2], 2, 1, 64
+    out_dir = output_dir(args)
     from stratagem.launcher import launch
 
     rows = []
@@ -155,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.batch}, bucket_cap_mb={args.bucket_cap_mb}, gloo on CPU, {args.rounds} alternating "
           f"rounds of {args.steps} steps after a warm-up; ms/step are medians, the ratio is the median "
           "of the per-round Mirrored/DDP ratios.", "",
-          "Command: `python benchmarks/mirrored_vs_ddp.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`", "",
           "| processes | Mirrored ms/step | DDP ms/step | Mirrored/DDP (median per-round) | per-round range |",
           "|---|---|---|---|---|"]
     for r in rows:
@@ -170,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             md.append(f"| {r['procs']} | {r['ddp_checked_ms']:.2f} | {r['check_ratio']:.3f} | "
                       f"{r['check_ratio_min']:.3f}..{r['check_ratio_max']:.3f} | "
                       f"{r['vs_checked_ratio']:.3f} | {r['vs_checked_min']:.3f}..{r['vs_checked_max']:.3f} |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "mirrored_vs_ddp.json").write_text(json.dumps(rows, indent=1))
-    (RESULTS / "mirrored_vs_ddp.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write_result("mirrored_vs_ddp", rows, md, out_dir=out_dir)
     return 0
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import write_report
+from _common import add_ledger_args, output_dir, write_report
 
 import stratagem as sg
 from stratagem.demo import MLP, load_mnist5k
@@ -43,7 +43,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def worker(name: str, epochs: int) -> dict[str, Any]:
+def worker(name: str, epochs: int, max_steps: int | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     strategy = sg.from_name(name)
     (X, y), _ = load_mnist5k()
@@ -68,6 +68,10 @@ def worker(name: str, epochs: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
             steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+        if max_steps is not None and steps >= max_steps:
+            break
     wall = time.perf_counter() - start
     shard = _cpu_seconds(shard_pid) - shard0 if shard_pid else None
     me = _cpu_seconds(os.getpid()) - me0
@@ -80,11 +84,11 @@ def worker(name: str, epochs: int) -> dict[str, Any]:
             "shard_doorbells": bells}
 
 
-def run_row(row: str, epochs: int) -> dict[str, Any]:
+def run_row(row: str, epochs: int, max_steps: int | None = None) -> dict[str, Any]:
     """One job of ``row`` (the switches are read by the workers: they decide the path)."""
     name, env = ROWS[row]
     ranks = sg.launch(worker, nprocs=2, num_ps=1 if name.startswith("ps") else 0,
-                      args=(name, epochs), env=env)
+                      args=(name, epochs, max_steps), env=env)
     return {"row": row, **ranks[0]}
 
 
@@ -93,22 +97,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=16)
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated, of: " + ", ".join(ROWS))
+    add_ledger_args(p, smoke="1 round of 2 steps of the default path (shm + doorbell) alone")
     args = p.parse_args(argv)
+    max_steps = None
+    if args.smoke:
+        args.rounds, args.epochs, max_steps = 1, 1, 2
+        if args.rows == p.get_default("rows"):
+            args.rows = "ps shm + doorbell"
+    out_dir = output_dir(args)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
-    if unknown or "mirrored" not in rows:
+    if unknown or ("mirrored" not in rows and not args.smoke):
         p.error(f"--rows must include mirrored and name only {list(ROWS)}; got {unknown or rows}")
     results: list[dict[str, Any]] = []
     t0 = time.time()
     for rnd in range(args.rounds):
         order = rows if rnd % 2 == 0 else rows[::-1]
-        got = {r: run_row(r, args.epochs) for r in order}
+        got = {r: run_row(r, args.epochs, max_steps) for r in order}
         for r in rows:
             got[r]["round"] = rnd
-            got[r]["vs_mirrored"] = got[r]["wall_s"] / got["mirrored"]["wall_s"]
+            got[r]["vs_mirrored"] = (got[r]["wall_s"] / got["mirrored"]["wall_s"]
+                                     if "mirrored" in got else None)
             results.append(got[r])
-            print(f"round {rnd}: {r}: {got[r]['wall_s']:.2f} s, "
-                  f"{got[r]['vs_mirrored']:.2f}x Mirrored", flush=True)
+            vs = got[r]["vs_mirrored"]
+            print(f"round {rnd}: {r}: {got[r]['wall_s']:.2f} s"
+                  + ("" if vs is None else f", {vs:.2f}x Mirrored"), flush=True)
 
     def cell(row: str, key: str, fmt: str) -> str:
         vals = [x[key] for x in results if x["row"] == row and x[key] is not None]
@@ -118,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lines = [f"# The demo's PS job by data path ({args.rounds} alternating rounds, "
              f"{args.epochs} epochs, 2 workers + 1 shard)", "",
-             f"`PYTHONPATH=src python benchmarks/ps_demo_path.py --rounds {args.rounds} "
-             f"--epochs {args.epochs}`; {os.cpu_count()} CPUs, torch {torch.__version__}, "
-             f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}. Median (per round).", "",
+             "Median (per round).", "",
              "| row | wall s | / Mirrored (same round) | ms/step | shard CPU ms/push | "
              "worker CPU ms/step |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"rounds": args.rounds, "epochs": args.epochs, "cpus": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0))}
-    write_report("ps_demo_path", meta, results, lines)
+    write_report("ps_demo_path", meta, results, lines, out_dir=out_dir)
     return 0
 
 

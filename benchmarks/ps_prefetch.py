@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import write_report
+from _common import add_ledger_args, output_dir, write_report
 from torch import nn
 
 from stratagem.comm import Comm
@@ -88,7 +88,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--modes", default="async,sync")
+    add_ledger_args(ap, smoke="async only, hidden 64, batch 8, 1 round of 3 steps")
     args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.batch, args.steps, args.warmup, args.rounds = 64, 8, 3, 1, 1
+        if args.modes == ap.get_default("modes"):
+            args.modes = "async"
+    out_dir = output_dir(args)
     torch.set_num_threads(1)
     params = sum(p.numel() for p in make_model(args.hidden).parameters())
     rows: list[dict[str, Any]] = []
@@ -129,13 +135,12 @@ def main() -> None:
     lines += [f"| {r['mode']} | {r['step_ms_prefetch_off']} | {r['step_ms_prefetch_on']} | "
               f"{r['speedup']:.2f}x | {r['compute_only_ms']} | {r['staleness_prefetch_on']} |"
               for r in rows]
-    lines += ["", f"`{meta['command']}` — {meta['cpus']} CPUs, torch {meta['torch']}; medians "
-              f"of {args.rounds} alternating rounds of {args.steps} steps. Async prefetch "
+    lines += ["", f"Medians of {args.rounds} alternating rounds of {args.steps} steps. Async prefetch "
               "overlaps the pull with the next forward/backward (the forward uses parameters "
               "one fetch older: staleness 1); sync prefetch only overlaps the code between "
               "`optimizer.step()` and the next forward, so it gains ~nothing in a tight loop "
               "and gives identical results."]
-    write_report("ps_prefetch", meta, rows, lines)
+    write_report("ps_prefetch", meta, rows, lines, out_dir=out_dir)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import write_report
+from _common import add_ledger_args, output_dir, write_report
 
 from stratagem.ps import wire
 from stratagem.ps.placement import MaxSizePartitioner, greedy, specs_of
@@ -331,7 +331,10 @@ def main() -> None:
     ap.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--aio", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--minimal-server", action="store_true", help=argparse.SUPPRESS)
+    add_ledger_args(ap, smoke="0.5 MB, 1 shard, 1 worker, 1 round of 0.2 s")
     args = ap.parse_args()
+    if args.smoke:
+        args.mb, args.seconds, args.rounds, args.shards, args.workers = 0.5, 0.2, 1, "1", "1"
     max_bytes = wire.DEFAULT_MAX_MESSAGE_BYTES
     if args.raw_server:
         raw_server_main(args.port_file, args.nbytes, max_bytes, args.aio)
@@ -339,6 +342,7 @@ def main() -> None:
     if args.minimal_server:
         minimal_server_main(args.port_file, args.nbytes, max_bytes, args.aio)
         return
+    out_dir = output_dir(args)
     torch.set_num_threads(1)
     load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     # Worker-side opt-in; applies to the raw-gRPC workers in this process just the same.
@@ -447,8 +451,7 @@ def main() -> None:
     lines += ["| " + " | ".join(c for c, _ in cols) + " |",
               "|" + "---:|" * len(cols)]
     lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in rows]
-    lines += ["", f"`{meta['command']}` — {meta['cpus']} CPUs, torch {meta['torch']}, grpcio "
-              f"{meta['grpc']}, load average at start {meta['load_at_start']}. MB/s counts gradient "
+    lines += ["", f"Load average at start {meta['load_at_start']}. MB/s counts gradient "
               "bytes pushed plus parameter bytes pulled. ours / raw divides by the faster raw "
               "server (thread-pool `grpc.server` or `grpc.aio`), each answering one `Exchange` "
               "call per shard per step (gradient bytes in, parameter bytes out), the shape of "
@@ -465,7 +468,7 @@ def main() -> None:
     if args.before_src:
         lines += ["", f"\"before\": the shard processes of `{args.before_src}`, driven by this "
                   f"checkout's client with `{meta['before_step']}` per step."]
-    write_report("ps_throughput", meta, rows, lines)
+    write_report("ps_throughput", meta, rows, lines, out_dir=out_dir)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_ledger_args, output_dir, write_result  # noqa: E402
 
 
 class Block(nn.Module):
@@ -158,6 +159,12 @@ def memory_worker(cfg: dict[str, Any], kind: str) -> dict[str, Any]:
     return result
 
 
+def all_kinds_worker(cfg: dict[str, Any], kinds: list[str]) -> dict[str, dict[str, Any]]:
+    """``--smoke``: every kind in one process, one after the other (saves two launches; the
+    peak RSS is then the process's, not one strategy's)."""
+    return {kind: memory_worker(cfg, kind) for kind in kinds}
+
+
 def time_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -226,15 +233,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--round-steps", type=int, default=2)
     parser.add_argument("--skip-timing", action="store_true")
+    add_ledger_args(parser, smoke="2 processes, a 1-block model of width 32, 1 step, the three "
+                                  "strategies in one launch, no timing")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.procs, args.layers, args.width, args.vocab, args.heads = [2], 1, 32, 64, 2
+        args.seq, args.batch, args.steps, args.skip_timing = 8, 1, 1, True
+    out_dir = output_dir(args)
     cfg = {"vocab": args.vocab, "width": args.width, "layers": args.layers, "heads": args.heads,
            "seq": args.seq, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
            "round_steps": args.round_steps}
     numel = sum(p.numel() for p in _build(cfg).parameters())
     rows: list[dict[str, Any]] = []
     for procs in args.procs:
-        mem = {kind: launch(memory_worker, nprocs=procs, args=(cfg, kind))
-               for kind in ("mirrored", "sharded", "sharded-meta")}
+        kinds = ["mirrored", "sharded", "sharded-meta"]
+        if args.smoke:
+            together = launch(all_kinds_worker, nprocs=procs, args=(cfg, kinds))
+            mem = {kind: [r[kind] for r in together] for kind in kinds}
+        else:
+            mem = {kind: launch(memory_worker, nprocs=procs, args=(cfg, kind)) for kind in kinds}
         row: dict[str, Any] = {"procs": procs}
         for kind, results in mem.items():
             row[kind] = {"bytes_max": max(r["total"] for r in results),
@@ -262,11 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    RESULTS.mkdir(exist_ok=True)
-    command = "python benchmarks/sharded_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = {"parameters": numel, "config": cfg, "command": command.strip(),
-            "cpus": os.cpu_count(), "torch": torch.__version__}
-    (RESULTS / "sharded_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = {"parameters": numel, "config": cfg, "cpus": os.cpu_count(),
+            "torch": torch.__version__}
     mib = 1 << 20
     lines = [
         "# Sharded (FSDP2) vs Mirrored memory; Sharded vs hand-written FSDP2 step time", "",
@@ -282,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
         "included). "
         f"Step time: {cfg['rounds']} alternating (ABBA) rounds of {cfg['round_steps']} steps, "
         "ratio = median of per-round Sharded/raw ratios.", "",
-        f"Command: `{command.strip()}`", "",
         "| processes | Mirrored MiB/rank | Sharded MiB/rank | ratio | ratio × N (target ≤ 1.1) "
         "| peak RSS MiB M / S / S-meta | peak RSS ratio S / S-meta | RSS after MiB M / S "
         "| trimmed RSS MiB M / S | Sharded s/step | raw FSDP2 s/step | Sharded/raw (median) "
@@ -301,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['peak_rss_ratio']:.2f} / {r['peak_rss_ratio_meta']:.2f} | "
             f"{m['rss_max'] / mib:.0f} / {s['rss_max'] / mib:.0f} | "
             f"{m['rss_trimmed_max'] / mib:.0f} / {s['rss_trimmed_max'] / mib:.0f} | {timing} |")
-    (RESULTS / "sharded_memory.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result("sharded_memory", {"meta": meta, "rows": rows}, lines, out_dir=out_dir)
     return 0
 
 

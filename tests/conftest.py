@@ -17,7 +17,8 @@ os.environ.setdefault("RUST_LOG", "warn")
 #: finished them alone while the other sat idle.
 _SLOW_FILES_FIRST = ("test_sharded.py", "test_sharded_hierarchical.py", "test_ft_processes.py",
                      "test_ft_group_processes.py", "test_chaos.py", "test_resume.py", "test_multinode.py", "test_cli.py",
-                     "test_examples.py", "test_hierarchical.py", "test_launch.py")
+                     "test_examples.py", "test_hierarchical.py", "test_launch.py",
+                     "test_bench_smoke.py")
 
 
 #: Test tiers. A test is ``unit`` unless its file is listed here or it carries the
@@ -32,7 +33,8 @@ _INTEGRATION_FILES = frozenset({
     "test_hostile.py", "test_bad_inputs.py", "test_cli.py", "test_examples.py",
     "test_hierarchical.py", "test_import_cost.py", "test_nanogpt_loop.py", "test_ports.py",
     "test_sharded.py", "test_sharded_hierarchical.py", "test_state_protocol.py",
-    "test_startup_timeout.py", "test_launch.py", "test_argcheck.py", "test_hook_order.py"})
+    "test_startup_timeout.py", "test_launch.py", "test_argcheck.py", "test_hook_order.py",
+    "test_bench_smoke.py"})
 _TIERS = ("unit", "integration", "chaos")
 
 

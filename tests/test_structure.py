@@ -17,6 +17,7 @@ entry), so the list never goes stale.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -418,3 +419,62 @@ def test_the_tier_lists_name_existing_test_files():
     listed = conftest._CHAOS_FILES | conftest._INTEGRATION_FILES
     assert listed <= existing, sorted(listed - existing)
     assert not conftest._CHAOS_FILES & conftest._INTEGRATION_FILES
+
+
+# ------------------------------------------------------------------ the benchmark ledger
+
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+#: A suffix that names a run rather than what was measured: _s8c, _rerun, _loaded, _h100host,
+#: _full, _spare2, _t15, _v2, a date. Superseded runs live in git history, not in results/.
+_RUN_TAG = re.compile(r"_(s\d+[a-z]?|rerun\d*|run\d+|loaded|quiet|[a-z0-9]*host|full|spare\d+|"
+                      r"t\d+|v\d+|old|new|tmp|\d{6,8}|\d{4}-\d\d-\d\d)(?=_|$)")
+
+
+def _benchmark_scripts() -> list[Path]:
+    return sorted(p for p in _BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+def test_every_benchmark_takes_smoke():
+    """``--smoke`` comes from ``_common.add_ledger_args`` (directly or through
+    ``matrix_parser``), so every script has it with the same meaning; tests/test_bench_smoke.py
+    runs each."""
+    scripts = _benchmark_scripts()
+    assert scripts
+    missing = [p.name for p in scripts
+               if "add_ledger_args(" not in p.read_text() and "matrix_parser(" not in p.read_text()]
+    assert not missing, f"benchmarks without --smoke (add_ledger_args): {missing}"
+
+
+@pytest.mark.parametrize("name, tagged", [
+    ("ft_grid_s8c", True), ("convergence_ps_100mbit_rerun", True), ("ft_grid_s6_t15", True),
+    ("diloco_compression_p16_h100host", True), ("ft_kills_gpt_spare2", True),
+    ("convergence_ps_s7_loaded", True), ("ft_grid", False), ("diloco_compression_p16", False),
+    ("ft_kills_gpt", False), ("ft_kills_hierarchical", False), ("sharded_memory", False)])
+def test_the_run_tag_pattern(name, tagged):
+    assert bool(_RUN_TAG.search(name)) is tagged
+
+
+def test_results_are_one_ledger_entry_per_name():
+    """``benchmarks/results/`` holds NAME.md + NAME.json (+ an optional NAME.png) per result,
+    no file named after a run, and every JSON in the ledger shape with its commit."""
+    import json
+
+    results = _BENCHMARKS / "results"
+    files = sorted(p for p in results.iterdir() if p.is_file())
+    tagged = [p.name for p in files if _RUN_TAG.search(p.stem)]
+    assert not tagged, f"result files named after a run (keep one per name; git has the rest): " \
+                       f"{tagged}"
+    stems = {p.stem for p in files}
+    for stem in stems:
+        assert (results / f"{stem}.json").is_file() and (results / f"{stem}.md").is_file(), stem
+    odd = [p.name for p in files if p.suffix not in (".json", ".md", ".png")]
+    assert not odd, odd
+    for path in (results / f"{stem}.json" for stem in sorted(stems)):
+        data = json.loads(path.read_text())
+        assert isinstance(data, dict) and "commit" in data, f"{path.name} records no commit"
+        assert data["name"] == path.stem, path.name
+        assert data["commit"] is not None or data.get("commit_note"), path.name
+        for key in ("date", "command", "versions", "host", "duration_s", "results"):
+            assert key in data, f"{path.name} has no {key!r}"
+        assert set(data["versions"]) >= {"python", "torch", "torchft", "grpcio"}, path.name
+        assert set(data["host"]) >= {"cores", "cpu", "gpu"}, path.name

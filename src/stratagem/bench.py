@@ -6,9 +6,16 @@ to ``benchmarks/results/``. This command finds that directory and runs the scrip
 another as subprocesses with this very interpreter, ``src/`` put first on ``PYTHONPATH``::
 
     stratagem bench                        # every benchmark, default settings
+    stratagem bench --quick                # the quick profile: small settings, <= 10 minutes
     stratagem bench --list                 # names and one-line descriptions
-    stratagem bench convergence --quick    # one benchmark; unknown options are passed on
+    stratagem bench convergence --seeds 1  # one benchmark; unknown options are passed on
     stratagem bench mirrored_vs_ddp ps_throughput -- --help
+
+A run of every benchmark records its own duration and each benchmark's exit code and seconds
+as a result of its own, ``results/bench`` (``results/bench_quick`` for ``--quick``), written
+by the benchmarks' writer (``benchmarks/_common.py``: commit, versions, host). ``--quick``
+gives each benchmark its settings from ``QUICK_PROFILE`` in that file and writes their
+results to a temporary folder (or ``--out-dir``), never over the canonical ones.
 
 A benchmark is a ``benchmarks/*.py`` file with a ``__main__`` guard (a helper module
 without one is skipped). ``--dir`` (or ``STRATAGEM_BENCHMARKS_DIR``) points elsewhere.
@@ -21,14 +28,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
+from types import FrameType, ModuleType
+from typing import Any
 
 __all__ = ["main", "find_benchmarks_dir", "list_benchmarks"]
 
@@ -158,7 +168,43 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"the benchmarks directory (default: ${_ENV_DIR}, else the checkout's)")
     p.add_argument("--fail-fast", action="store_true",
                    help="stop at the first benchmark that fails (default: run them all)")
+    p.add_argument("--quick", action="store_true",
+                   help="the quick profile (QUICK_PROFILE in benchmarks/_common.py): small "
+                        "settings, results in a temporary folder, about 10 minutes in all")
+    p.add_argument("--out-dir", default=None, metavar="DIR",
+                   help="passed to every benchmark: write the results here instead of "
+                        "benchmarks/results/ (--quick: instead of a temporary folder)")
     return p
+
+
+def _common_module(directory: Path) -> ModuleType | None:
+    """The benchmarks' ``_common.py`` (its writer and quick profile), or None without one."""
+    path = directory / "_common.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("_stratagem_bench_common", path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(common: ModuleType, name: str, outcomes: list[tuple[str, int, float]],
+            args: dict[str, list[str]], *, total: float, out_dir: Path, output: Path,
+            command: str) -> None:
+    """The run's own result: how long it took, and each benchmark's exit code and seconds."""
+    rows: list[dict[str, Any]] = [
+        {"benchmark": n, "exit_code": code, "seconds": round(seconds, 1), "args": args[n]}
+        for n, code, seconds in outcomes]
+    lines = [f"# `{command}`: {total / 60:.1f} min", "",
+             f"Every benchmark, one after the other; their results went to `{output}`.", "",
+             "| benchmark | exit code | s | arguments |", "|---|---:|---:|---|"]
+    lines += [f"| {r['benchmark']} | {r['exit_code']} | {r['seconds']:.0f} | "
+              f"`{' '.join(r['args'])}` |" for r in rows]
+    common.write_result(name, {"total_s": round(total, 1), "output": str(output),
+                               "benchmarks": rows}, lines, out_dir=out_dir, duration_s=total,
+                        command=command, quiet=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,13 +243,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     bench_args = extra + passthrough
     cwd = directory.parent
+    common = _common_module(directory)
+    profile: dict[str, list[str]] = getattr(common, "QUICK_PROFILE", {}) if args.quick else {}
+    output = Path(args.out_dir) if args.out_dir else directory / "results"
+    if args.quick and not args.out_dir:
+        output = Path(tempfile.mkdtemp(prefix="stratagem-bench-quick-"))
+    per_bench = {name: [*(profile.get(name, ["--smoke"]) if args.quick else []), *bench_args,
+                        *(["--out-dir", str(output)] if args.quick or args.out_dir else [])]
+                 for name in selected}
     outcomes: list[tuple[str, int, float]] = []
+    started = time.perf_counter()
     try:
         for name in selected:
-            shown = " ".join([f"benchmarks/{benchmarks[name].name}", *bench_args])
+            shown = " ".join([f"benchmarks/{benchmarks[name].name}", *per_bench[name]])
             print(f"== stratagem bench: {name}: {sys.executable} {shown}", flush=True)
             t0 = time.perf_counter()
-            code = _run_one(benchmarks[name], bench_args, cwd)
+            code = _run_one(benchmarks[name], per_bench[name], cwd)
             outcomes.append((name, code, time.perf_counter() - t0))
             print(f"== {name}: {'ok' if code == 0 else f'FAILED (exit code {code})'} in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
@@ -215,13 +270,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Terminated:
         print("stratagem bench: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
+    total = time.perf_counter() - started
+    if not names and common is not None and len(outcomes) == len(selected):
+        command = " ".join(["stratagem bench", *(["--quick"] if args.quick else []),
+                            *(["--out-dir", args.out_dir] if args.out_dir else []),
+                            *bench_args])
+        _record(common, "bench_quick" if args.quick else "bench", outcomes, per_bench,
+                total=total, out_dir=Path(args.out_dir) if args.out_dir else
+                directory / "results", output=output, command=command)
     if len(selected) > 1:
         print("\n== summary")
         for name, code, seconds in outcomes:
             print(f"  {name:<20} {'ok' if code == 0 else f'exit {code}':<8} {seconds:7.0f} s")
         for name in selected[len(outcomes):]:
             print(f"  {name:<20} not run")
-        print(f"results: {directory / 'results'}")
+        print(f"results: {output} ({total / 60:.1f} min in all)")
     return 0 if len(outcomes) == len(selected) and all(c == 0 for _, c, _ in outcomes) else 1
 
 

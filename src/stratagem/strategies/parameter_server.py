@@ -116,9 +116,10 @@ class ParameterServer(Strategy):
     gradient's base version is recorded at install, so ``staleness`` and ``max_staleness``
     count honestly. It is off by default because it trades quality for speed: with 4 workers
     on MNIST-5k the mean staleness went from ~3.5 to ~7 and the steps to 93% from ~110 to
-    ~300, for no shorter step (``benchmarks/results/convergence_ps.md``). Sync: the wait for the new
-    version runs in the background and is installed before the next forward (a forward
-    pre-hook) — the forward always uses the new version, so results equal ``prefetch=False``;
+    ~300, for no shorter step (``git show 9e4f1fb:benchmarks/results/convergence_ps.md``).
+    Sync: the wait for the new version runs in the background and is installed before the
+    next forward (a forward pre-hook) — the forward always uses the new version, so results
+    equal ``prefetch=False``;
     the user's code between ``optimizer.step()`` and the next forward overlaps the wait, and
     reading the parameters there shows the previous version (and a ``PeerTimeoutError`` of
     that wait surfaces in the next forward). ``model.state_dict()``, ``eval_model``,
