@@ -249,24 +249,29 @@ class GradientSync(Part):
         # that cannot, find_unused_parameters keeps DDP's first layout (at the price of a
         # graph traversal per forward).
         pin = self.comm.elastic and not self.find_unused_parameters
+        # The built-in path needs every reduced parameter to get a gradient in every
+        # backward (true unless find_unused_parameters) for the byte counter, and dense
+        # gradients (a sparse payload depends on the rows touched).
+        # Under a fault-tolerant Comm DDP's own group is a world of one: the gradients travel
+        # through the hook, on the quorum's group.
+        builtin = (self.compression is None and not self.find_unused_parameters
+                   and not _has_sparse_gradients(module) and not self.comm.elastic)
         ddp = DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=self.comm.ddp_group(),
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters or (pin and not _CAN_PIN_LAYOUT),
+            # On the built-in path the gradients are views of DDP's buckets: no copy of the
+            # reduced bucket back into them, and the step's non-finite check reads the
+            # bucket the all-reduce has just written.
+            gradient_as_bucket_view=builtin,
             **extra,
         )
         if pin and _CAN_PIN_LAYOUT:
             _pin_bucket_layout(ddp)
         self._wrappers.add(ddp)
-        # The built-in path needs every reduced parameter to get a gradient in every
-        # backward (true unless find_unused_parameters) for the byte counter, and dense
-        # gradients (a sparse payload depends on the rows touched).
-        # Under a fault-tolerant Comm DDP's own group is a world of one: the gradients travel
-        # through the hook, on the quorum's group.
-        if (self.compression is None and not self.find_unused_parameters
-                and not _has_sparse_gradients(module) and not self.comm.elastic):
+        if builtin:
             _count_builtin_allreduce(self.comm, ddp)
             return ddp
         feedback = None
