@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from stratagem.launcher import child_pythonpath
 from stratagem.ps import shm, wire
 from stratagem.ps.server import ShardServer
 from stratagem.ps.table import ShardedParameters
-from stratagem.ps.transport import PSClient
+from stratagem.ps.transport import PSClient, RemoteError
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not shm.supported(), reason="needs memfd and /proc")]
@@ -292,3 +293,41 @@ def test_a_dead_workers_busy_doorbell_is_dropped_on_a_timer() -> None:
             for fd in (req_w, rep_r):
                 os.close(fd)
             good.close()
+
+
+def test_calls_over_every_tensor_are_refused_by_count_before_any_lock() -> None:
+    """A shard holding more tensors than one reply may list: get_state, pull, wait_version,
+    set_hyperparams without names and health are refused from the count alone, at once,
+    even while a slot's lock is held (they never wait for it); the error names the bound,
+    the count and the fix; a good client naming its tensors is served."""
+    with ShardServer(token=TOKEN) as s:
+        s.limits = replace(s.limits, max_tensors=64)
+        good = _Good(s.address)  # 3 tensors
+        with PSClient([s.address], token=TOKEN, timeout=10) as hostile:
+            tiny = [wire.Entry(f"t{i:03d}", torch.zeros(1)) for i in range(62)]
+            hostile.call(0, "register", {"entries": [{"mode": "async", "spec": 0}] * 62,
+                                         "specs": [{"name": "sgd", "lr": 0.1}]}, tiny)
+            calls = [("get_state", {}, "name the tensors"), ("pull", {}, "name the tensors"),
+                     ("wait_version", {"min_version": 1, "timeout": 1.0}, "name the tensors"),
+                     ("set_hyperparams", {"hyperparams": {"lr": 0.5}}, "name the tensors"),
+                     ("health", {}, "more shards")]
+            held = s._slots["t000"].lock
+            held.acquire()  # a slot busy for as long as this test wants
+            try:
+                for op, fields, fix in calls:
+                    t0 = time.monotonic()
+                    with pytest.raises(RemoteError) as info:
+                        hostile.call(0, op, fields)
+                    took = time.monotonic() - t0
+                    text = str(info.value)
+                    assert info.value.code == "RESOURCE_EXHAUSTED", text
+                    assert "max_tensors=64" in text and "(65)" in text and fix in text, text
+                    assert took < 2.0, (op, took)
+                    assert good.step() < 2.0  # its own tensors: served
+            finally:
+                held.release()
+        # At the bound exactly, a call over every tensor is served.
+        s.limits = replace(s.limits, max_tensors=65)
+        with PSClient([s.address], token=TOKEN, timeout=10) as c:
+            assert c.health()[0]["num_tensors"] == 65
+        good.close()

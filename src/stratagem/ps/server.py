@@ -205,6 +205,21 @@ def _alive(region: _Region) -> bool:
     return started is not None and (region.started is None or started == region.started)
 
 
+def _state_sizes(slot: Slot) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of what ``get_state`` sends for ``slot``: its value and its optimizer
+    state tensors, read without the slot's lock (a step may be adding state: then every
+    tensor its optimizer could hold is counted at the value's size)."""
+    out = [(slot.name, slot.value.nbytes)]
+    if slot.optimizer is not None:
+        try:
+            for state in list(slot.optimizer.state.values()):
+                out += [(f"{slot.name}.{k}", v.nbytes) for k, v in list(state.items())
+                        if isinstance(v, torch.Tensor)]
+        except RuntimeError:  # changed while read
+            out += [(f"{slot.name}.state{i}", slot.value.nbytes) for i in range(4)]
+    return out
+
+
 def _process_start(pid: int) -> str | None:
     """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``; None: gone)."""
     try:
@@ -831,10 +846,28 @@ class ShardServer:
                        "register it first", "NOT_FOUND")
         return slot
 
-    def _select(self, names: list[str] | None) -> list[Slot]:
+    def _select(self, names: list[str] | None, op: str = "this call") -> list[Slot]:
+        """The slots named (None: every slot), counted against ``max_tensors`` before any is
+        looked up, sorted or locked."""
+        self._check_count(op, len(self._slots) if names is None else len(names), names is None)
         if names is None:
             return [self._slots[k] for k in sorted(self._slots)]
         return [self._slot(n) for n in names]
+
+    def _check_count(self, op: str, count: int, whole: bool, *, names: bool = True) -> None:
+        """Refuse a call that would walk (and reply with) more than ``max_tensors`` tensors,
+        from the count alone: before any slot is visited or locked, so a shard of many
+        tensors answers such a call at once instead of holding every lock first."""
+        bound = self.limits.max_tensors
+        if count <= bound:
+            return
+        what = (f"every tensor of shard {self.address} ({count})" if whole
+                else f"{count} tensors")
+        fix = (f"name the tensors you need (names=[...]), at most {bound} per call"
+               if names else "spread the tensors over more shards")
+        raise _err(f"{op}: the reply would cover {what}, above this shard's max_tensors="
+                   f"{bound} per message; refused before any tensor was read. Fix: {fix}",
+                   "RESOURCE_EXHAUSTED")
 
     def _check_reply(self, op: str, tensors: Sequence[tuple[str, int]], extra: int = 0) -> None:
         """Refuse, before allocating anything, a reply that would exceed max_message_bytes."""
@@ -907,6 +940,8 @@ class ShardServer:
     # -- operations -----------------------------------------------------------------------
 
     def _health(self, msg: Message) -> bytes:
+        # Its versions list every tensor: counted before anything is walked.
+        self._check_count("health", len(self._slots), True, names=False)
         with self._registry_lock:
             slots = list(self._slots.values())
             charged = self._charged
@@ -976,7 +1011,7 @@ class ShardServer:
         return self._snapshot(slots, "register", {"created": [s.name for s in new]})
 
     def _pull(self, msg: Message) -> bytes:
-        return self._snapshot(self._select(_names(msg.fields)))
+        return self._snapshot(self._select(_names(msg.fields), "pull"))
 
     def _pull_rows(self, msg: Message) -> bytes:
         name = msg.fields.get("name")
@@ -1351,7 +1386,7 @@ class ShardServer:
         left = context.time_remaining()
         if left is not None:  # answer (with reached=False) before the caller's deadline
             timeout = min(timeout, left - 0.5)
-        slots = self._select(_names(msg.fields))
+        slots = self._select(_names(msg.fields), "wait_version")
         fetch = _names(msg.fields, "fetch")
         wanted = slots if fetch is None else [self._slot(n) for n in fetch]
         self._check_reply("wait_version", [(s.name, s.value.nbytes) for s in wanted],
@@ -1417,12 +1452,16 @@ class ShardServer:
         if not isinstance(hyper, dict) or "name" in hyper:
             raise _err("set_hyperparams needs a 'hyperparams' object (without 'name')")
         # Validate every new configuration the way torch would before changing any slot.
-        planned = rules.plan_hyperparameters(self._select(_names(msg.fields)), hyper)
+        planned = rules.plan_hyperparameters(self._select(_names(msg.fields),
+                                                          "set_hyperparams"), hyper)
         rules.apply_hyperparameters(planned)
         return wire.encode("ok", {"changed": len(planned)})
 
     def _get_state(self, msg: Message) -> bytes:
-        slots = self._select(_names(msg.fields))
+        slots = self._select(_names(msg.fields), "get_state")
+        # Counted and sized before any lock is taken (optimizer state read without its lock:
+        # an estimate, checked again exactly under the locks below).
+        self._check_reply("get_state", [(n, b) for s in slots for n, b in _state_sizes(s)])
         unique = sorted({id(s): s for s in slots}.values(), key=lambda s: s.name)
         for s in unique:
             s.lock.acquire()
