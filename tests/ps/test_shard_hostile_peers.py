@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from helpers import shard_params as _params
 
 from stratagem.launcher import child_pythonpath
 from stratagem.ps import shm, wire
+from stratagem.ps.rpc import grpc
 from stratagem.ps.server import ShardServer
 from stratagem.ps.table import ShardedParameters
 from stratagem.ps.transport import PSClient, RemoteError
@@ -331,3 +332,54 @@ def test_calls_over_every_tensor_are_refused_by_count_before_any_lock() -> None:
         with PSClient([s.address], token=TOKEN, timeout=10) as c:
             assert c.health()[0]["num_tensors"] == 65
         good.close()
+
+
+def test_a_huge_chunked_request_does_not_stall_the_event_loop() -> None:
+    """A chunked request declaring 1000 MiB whose first chunk is a valid header: its buffer
+    is mapped, not zero-filled on the event loop (a bytearray of that size took 0.75-1.24 s,
+    during which no call was served), so a good client's steps stay fast meanwhile."""
+    declared = 1000 * MiB
+    with ShardServer(token=TOKEN, max_message_bytes=declared + MiB,
+                     max_inflight_bytes=2 * declared + 4 * MiB) as s:
+        good = _Good(s.address)
+        good.steps_for(0.5)
+        header = wire.encode("push", {}, [wire.Entry("w", torch.zeros(0))])
+        release = threading.Event()
+        sent = threading.Event()
+
+        def chunks() -> Iterator[bytes]:
+            yield header.ljust(wire.REQUEST_CHUNK_BYTES, b"\0")
+            sent.set()
+            release.wait(30)
+
+        def hostile() -> None:
+            with grpc.insecure_channel(s.address) as ch:
+                md = ((wire.TOKEN_METADATA_KEY, TOKEN), (wire.SIZE_METADATA_KEY, str(declared)))
+                try:
+                    ch.stream_unary(wire.METHOD)(chunks(), timeout=60, metadata=md)
+                except grpc.RpcError:
+                    pass  # refused when it ends short: that is fine
+
+        rss0 = _rss()
+        t = threading.Thread(target=hostile, daemon=True)
+        t.start()
+        try:
+            assert sent.wait(30)
+            worst = max(good.steps_for(2.0))
+            assert s._receiving_bytes == declared  # admitted and being received
+            grew = _rss() - rss0
+        finally:
+            release.set()
+            t.join(30)
+        print(f"good step worst {worst * 1e3:.1f} ms beside a 1000 MiB request; "
+              f"RSS grew {grew / MiB:.0f} MiB")
+        assert worst < 0.5, worst
+        assert grew < 200 * MiB, grew  # its pages were never all touched
+        good.close()
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
