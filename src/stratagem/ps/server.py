@@ -79,6 +79,10 @@ _MAX_REGIONS = 64
 _MMAP_BYTES = 1 << 20
 #: How often the shard looks for regions of workers that are gone (see _reap_regions).
 _REAP_SECONDS = 2.0
+#: How long an idle doorbell thread waits before it looks whether its region is still
+#: wanted: each look is a wake-up that takes the GIL, so many idle doorbells waking often
+#: cost the calls being served (a request on the pipe, or its closing, wakes it at once).
+_BELL_IDLE_SECONDS = 2.0
 #: What a tensor entry (in a request, or a slot a reply lists) counts as in that bound: its
 #: header JSON, checks and objects cost ~10 us each, so a request of a few thousand empty
 #: tensors is decoded and served on a tensor thread, not on the loop.
@@ -1203,9 +1207,9 @@ class ShardServer:
 
         try:
             while wanted():
-                if not shm.bell_wait(rfd, 0.5):
-                    # Nothing to serve in 0.5 s: is its worker still there? (A busy doorbell
-                    # is checked by the shard's timer, _reap_regions.)
+                if not shm.bell_wait(rfd, _BELL_IDLE_SECONDS):
+                    # Nothing to serve for a while: is its worker still there? (A busy
+                    # doorbell is checked by the shard's timer, _reap_regions.)
                     if not _alive(region):
                         raise shm.BellClosed("the worker is gone")
                     continue
@@ -1278,7 +1282,7 @@ class ShardServer:
     def _purge_regions(self) -> None:
         """Forget the regions of workers that are gone (caller holds ``_regions_lock``): a
         worker that died never detached; its memory is freed once nothing maps it, and its
-        doorbell thread (if any) ends when it next looks (at most ~0.5 s)."""
+        doorbell thread (if any) ends when it next looks (within _BELL_IDLE_SECONDS)."""
         for rid, region in list(self._regions.items()):
             if not _alive(region):
                 del self._regions[rid]
