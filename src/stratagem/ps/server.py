@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import math
+import mmap
 import os
 import secrets
 import signal
@@ -73,6 +74,15 @@ _INLINE_OPS = frozenset({"push", "pull", "health", "shm_push"})
 #: Shared-memory regions one shard maps at most (those of dead workers are dropped first):
 #: each is bounded by the registered tensors it covers (two copies), so this bounds them all.
 _MAX_REGIONS = 64
+#: A chunked request at least this long is received into an anonymous mapping, not a
+#: bytearray (see _receive_buffer).
+_MMAP_BYTES = 1 << 20
+#: How often the shard looks for regions of workers that are gone (see _reap_regions).
+_REAP_SECONDS = 2.0
+#: How long an idle doorbell thread waits before it looks whether its region is still
+#: wanted: each look is a wake-up that takes the GIL, so many idle doorbells waking often
+#: cost the calls being served (a request on the pipe, or its closing, wakes it at once).
+_BELL_IDLE_SECONDS = 2.0
 #: What a tensor entry (in a request, or a slot a reply lists) counts as in that bound: its
 #: header JSON, checks and objects cost ~10 us each, so a request of a few thousand empty
 #: tensors is decoded and served on a tensor thread, not on the loop.
@@ -185,12 +195,53 @@ class _LoopThread:
 
 @dataclass
 class _Region:
-    """A worker's shared-memory region as the shard maps it (views keep the mapping alive)."""
+    """A worker's shared-memory region as the shard maps it (views keep the mapping alive).
+    ``started`` is the worker's start time (``/proc/<pid>/stat``), so a pid reused by a new
+    process does not keep a dead worker's region; ``fifos`` are its doorbell's pipes."""
 
     pid: int
     layout: shm.Layout
     grads: dict[str, torch.Tensor]
     values: dict[str, torch.Tensor]
+    started: str | None = None
+    fifos: tuple[shm.FifoId, ...] = ()
+
+
+def _alive(region: _Region) -> bool:
+    """Whether the worker that attached ``region`` still runs (same pid, same start time)."""
+    started = _process_start(region.pid)
+    return started is not None and (region.started is None or started == region.started)
+
+
+def _state_sizes(slot: Slot) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of what ``get_state`` sends for ``slot``: its value and its optimizer
+    state tensors, read without the slot's lock (a step may be adding state: then every
+    tensor its optimizer could hold is counted at the value's size)."""
+    out = [(slot.name, slot.value.nbytes)]
+    if slot.optimizer is not None:
+        try:
+            for state in list(slot.optimizer.state.values()):
+                out += [(f"{slot.name}.{k}", v.nbytes) for k, v in list(state.items())
+                        if isinstance(v, torch.Tensor)]
+        except RuntimeError:  # changed while read
+            out += [(f"{slot.name}.state{i}", slot.value.nbytes) for i in range(4)]
+    return out
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``; None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+class _NotARequest(Exception):
+    """A doorbell carried something that is not a request of its region: the channel is
+    closed unanswered (:meth:`ShardServer._bell_loop`)."""
 
 
 class _Abort:
@@ -299,6 +350,7 @@ class ShardServer:
         self._charged = 0  # bytes of registered tensors + optimizer state (the quota)
         self._stopped = threading.Event()
         self._server: grpc.aio.Server | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self._loop: _LoopThread | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
         self._changed: asyncio.Event | None = None
@@ -321,6 +373,9 @@ class ShardServer:
         self._regions_lock = threading.Lock()
         self._shm_pushes = 0  # served through a region (health: the path is in use)
         self._bells = 0  # doorbell threads serving a region (shm.Bell), under _regions_lock
+        #: The pipes those threads hold open (st_dev, st_ino), under _regions_lock: a pipe
+        #: may serve one doorbell only (see shm.open_bell).
+        self._bell_fifos: set[shm.FifoId] = set()
         #: Pushes served by doorbell threads at once: at most as many as tensor threads.
         self._bell_slots = threading.BoundedSemaphore(self._max_workers)
 
@@ -413,6 +468,7 @@ class ShardServer:
             raise OSError(f"parameter-server shard could not bind {target}; choose another port "
                           "or port 0")
         await server.start()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_regions())
         return server, port
 
     def stop(self, grace: float | None = 1.0) -> None:
@@ -421,6 +477,8 @@ class ShardServer:
         self._stopped.set()
         if server is not None and self._loop is not None:
             self._loop.loop.call_soon_threadsafe(self._wake)
+            if self._reaper is not None:
+                self._loop.loop.call_soon_threadsafe(self._reaper.cancel)
             with contextlib.suppress(Exception):
                 self._loop.run(server.stop(grace), timeout=(grace or 0) + 5.0)
         if self._executor is not None:
@@ -577,7 +635,7 @@ class ShardServer:
                 self._trim_soon()
 
     async def _receive(self, context: grpc.aio.ServicerContext, declared: int
-                       ) -> bytearray | _Abort:
+                       ) -> bytearray | mmap.mmap | _Abort:
         """A chunked request's bytes, written into a buffer of its declared size.
 
         Its header is checked as soon as it has arrived (:meth:`_check_header`), and only then
@@ -585,7 +643,7 @@ class ShardServer:
         fit the quota, is refused after its first chunk, having cost that chunk, not its
         declared size."""
         head = bytearray()  # what arrived before the header could be checked
-        buf: bytearray | None = None
+        buf: bytearray | mmap.mmap | None = None
         got = 0
         while True:
             chunk = await context.read()
@@ -619,7 +677,7 @@ class ShardServer:
             if refused is not None:
                 return refused
             # The usual case, a header within the first chunk, copies that chunk once.
-            buf = bytearray(declared)
+            buf = _receive_buffer(declared)
             buf[:got] = first
             del first
             head = bytearray()
@@ -666,7 +724,8 @@ class ShardServer:
                       "its tensors were received). Fix: use more shards, or start the shard "
                       "with a larger --max-bytes")
 
-    async def _serve_body(self, request: bytes | bytearray, context: grpc.aio.ServicerContext
+    async def _serve_body(self, request: bytes | bytearray | mmap.mmap,
+                          context: grpc.aio.ServicerContext
                           ) -> bytes | _Abort:
         assert self._loop is not None and self._executor is not None
         try:
@@ -734,7 +793,7 @@ class ShardServer:
                        f"{type(exc).__name__}{at}: {str(exc)[:300]}")
         return _Abort("INTERNAL", f"{type(exc).__name__}: {exc}")
 
-    def _decode(self, request: bytes | bytearray) -> Message:
+    def _decode(self, request: bytes | bytearray | mmap.mmap) -> Message:
         msg = wire.decode(request, self.limits)
         if msg.op not in self._ops and msg.op != "wait_version":
             raise _err(f"unknown op {msg.op!r}; valid: {sorted([*self._ops, 'wait_version'])}")
@@ -784,7 +843,7 @@ class ShardServer:
             return msg
         return self._ops[msg.op](msg)
 
-    def _run(self, request: bytes | bytearray) -> bytes | Message:
+    def _run(self, request: bytes | bytearray | mmap.mmap) -> bytes | Message:
         return self._dispatch(self._decode(request))
 
     # -- helpers --------------------------------------------------------------------------
@@ -796,10 +855,28 @@ class ShardServer:
                        "register it first", "NOT_FOUND")
         return slot
 
-    def _select(self, names: list[str] | None) -> list[Slot]:
+    def _select(self, names: list[str] | None, op: str = "this call") -> list[Slot]:
+        """The slots named (None: every slot), counted against ``max_tensors`` before any is
+        looked up, sorted or locked."""
+        self._check_count(op, len(self._slots) if names is None else len(names), names is None)
         if names is None:
             return [self._slots[k] for k in sorted(self._slots)]
         return [self._slot(n) for n in names]
+
+    def _check_count(self, op: str, count: int, whole: bool, *, names: bool = True) -> None:
+        """Refuse a call that would walk (and reply with) more than ``max_tensors`` tensors,
+        from the count alone: before any slot is visited or locked, so a shard of many
+        tensors answers such a call at once instead of holding every lock first."""
+        bound = self.limits.max_tensors
+        if count <= bound:
+            return
+        what = (f"every tensor of shard {self.address} ({count})" if whole
+                else f"{count} tensors")
+        fix = (f"name the tensors you need (names=[...]), at most {bound} per call"
+               if names else "spread the tensors over more shards")
+        raise _err(f"{op}: the reply would cover {what}, above this shard's max_tensors="
+                   f"{bound} per message; refused before any tensor was read. Fix: {fix}",
+                   "RESOURCE_EXHAUSTED")
 
     def _check_reply(self, op: str, tensors: Sequence[tuple[str, int]], extra: int = 0) -> None:
         """Refuse, before allocating anything, a reply that would exceed max_message_bytes."""
@@ -872,6 +949,8 @@ class ShardServer:
     # -- operations -----------------------------------------------------------------------
 
     def _health(self, msg: Message) -> bytes:
+        # Its versions list every tensor: counted before anything is walked.
+        self._check_count("health", len(self._slots), True, names=False)
         with self._registry_lock:
             slots = list(self._slots.values())
             charged = self._charged
@@ -941,7 +1020,7 @@ class ShardServer:
         return self._snapshot(slots, "register", {"created": [s.name for s in new]})
 
     def _pull(self, msg: Message) -> bytes:
-        return self._snapshot(self._select(_names(msg.fields)))
+        return self._snapshot(self._select(_names(msg.fields), "pull"))
 
     def _pull_rows(self, msg: Message) -> bytes:
         name = msg.fields.get("name")
@@ -1061,31 +1140,42 @@ class ShardServer:
                 raise _err(f"shm_attach: shard {self.address} already maps {_MAX_REGIONS} "
                            "shared-memory regions of live workers; this worker uses gRPC",
                            "RESOURCE_EXHAUSTED")
+        started = _process_start(pid)
         try:
             mm = shm.open_region(pid, fd, lay, nonce)
         except shm.RegionRefused as exc:
+            # The caller is told one generic sentence; what was wrong with the file (which
+            # may be another process's) only goes to this shard's log.
+            self._throttle("shm_attach_refused", logging.WARNING, f"parameter-server shard "
+                           f"{self.address}: refused a shared-memory region: {exc.detail}")
             raise _err(str(exc), "PERMISSION_DENIED") from None
-        bell: tuple[int, int] | None = None
+        bell: tuple[int, int, tuple[shm.FifoId, shm.FifoId]] | None = None
         if f.get("bell") is not None and shm.bell_enabled() and self._bells < _MAX_REGIONS:
             try:
-                bell = shm.open_bell(pid, f.get("bell"), nonce)
+                bell = shm.open_bell(pid, f.get("bell"), nonce, self._held_fifos())
             except shm.RegionRefused as exc:  # the region stands; its steps go over gRPC
                 self._throttle("shm_bell", logging.INFO, f"parameter-server shard "
                                f"{self.address}: no doorbell for a region: {exc}")
         grads, values = shm.views(mm, lay)
-        region = _Region(pid, lay, grads, values)
+        region = _Region(pid, lay, grads, values, started)
         region_id = secrets.token_hex(16)
         with self._regions_lock:
             self._regions[region_id] = region
-            if bell is not None and self._bells >= _MAX_REGIONS:  # doorbells are bounded too
+            # Doorbells are bounded too, and a pipe serves one of them (checked again here:
+            # another attach may have taken it since open_bell looked).
+            if bell is not None and (self._bells >= _MAX_REGIONS
+                                     or set(bell[2]) & self._bell_fifos):
                 os.close(bell[0])
                 os.close(bell[1])
                 bell = None
             if bell is not None:
+                region.fifos = bell[2]
+                self._bell_fifos.update(bell[2])
                 self._bells += 1
         if bell is not None:
             try:
-                threading.Thread(target=self._bell_loop, args=(region_id, region, *bell),
+                threading.Thread(target=self._bell_loop,
+                                 args=(region_id, region, bell[0], bell[1]),
                                  name=f"stratagem-ps-bell-{region_id[:8]}",
                                  daemon=True).start()
             except BaseException:
@@ -1093,8 +1183,15 @@ class ShardServer:
                 os.close(bell[1])
                 with self._regions_lock:
                     self._bells -= 1
+                    self._bell_fifos.difference_update(region.fifos)
+                    region.fifos = ()
                 bell = None
         return wire.encode("ok", {"region": region_id, "bell": bell is not None})
+
+    def _held_fifos(self) -> set[shm.FifoId]:
+        """The pipes of the doorbells this shard holds open (until their threads end)."""
+        with self._regions_lock:
+            return set(self._bell_fifos)
 
     def _bell_loop(self, rid: str, region: _Region, rfd: int, wfd: int) -> None:
         """Serve one region's doorbell (:class:`stratagem.ps.shm.Bell`) until its worker
@@ -1102,40 +1199,49 @@ class ShardServer:
         ``shm_push`` of this region and is answered as the gRPC call would be (a refusal as
         a ``refused`` message with the gRPC status name). A request must arrive whole within
         ``body_timeout`` of its first byte and its answer be read as fast; a channel that
-        breaks either rule, or the protocol, is closed (the worker then uses gRPC)."""
+        breaks either rule, or the protocol, is closed (the worker then uses gRPC). A
+        message that is not such a request closes the channel unanswered and detaches the
+        region (:meth:`_bell_request`)."""
         def wanted() -> bool:
             return not self._stopped.is_set() and self._regions.get(rid) is region
 
         try:
             while wanted():
-                if not shm.bell_wait(rfd, 0.5):
-                    try:  # nothing to serve in 0.5 s: is its worker still there?
-                        os.kill(region.pid, 0)
-                    except ProcessLookupError:
-                        raise shm.BellClosed("the worker is gone") from None
-                    except OSError:
-                        pass
+                if not shm.bell_wait(rfd, _BELL_IDLE_SECONDS):
+                    # Nothing to serve for a while: is its worker still there? (A busy
+                    # doorbell is checked by the shard's timer, _reap_regions.)
+                    if not _alive(region):
+                        raise shm.BellClosed("the worker is gone")
                     continue
                 if not wanted():  # stopped, or detached, while waiting: serve nothing more
                     break
                 body = shm.bell_receive(rfd, time.monotonic() + self.body_timeout, wanted)
+                msg = self._bell_request(rid, body)  # anything else: closed, unanswered
+                del body
                 if not self._bell_slots.acquire(timeout=self.body_timeout):
                     reply = wire.encode("refused", {
                         "status": "UNAVAILABLE", "detail": f"shard {self.address} is busy: "
                         f"{self._max_workers} pushes in progress for {self.body_timeout:g} s"})
                 else:
                     try:
-                        reply = (self._bell_serve(rid, body) if wanted() else wire.encode(
+                        reply = (self._bell_serve(msg) if wanted() else wire.encode(
                             "refused", {"status": "UNAVAILABLE",
                                         "detail": "the shard is stopping"}))
                     finally:
                         self._bell_slots.release()
-                del body
+                del msg
                 shm.bell_send(wfd, reply, time.monotonic() + self.body_timeout, wanted)
         except shm.BellClosed:  # the worker closed its end (detached, or it died)
             with self._regions_lock:
                 if self._regions.get(rid) is region:
                     del self._regions[rid]
+        except _NotARequest as exc:  # not answered: a refusal could feed a crossed pipe
+            with self._regions_lock:
+                if self._regions.get(rid) is region:
+                    del self._regions[rid]
+            self._throttle("shm_bell_not_a_request", logging.WARNING, f"parameter-server "
+                           f"shard {self.address}: closed a region's doorbell and detached "
+                           f"the region, unanswered: {exc}")
         except shm.BellTimeout as exc:  # a body or a reply stuck: the channel is closed
             self._throttle("shm_bell_stuck", logging.WARNING, f"parameter-server shard "
                            f"{self.address}: closed a region's doorbell ({exc} within "
@@ -1148,15 +1254,26 @@ class ShardServer:
             os.close(wfd)
             with self._regions_lock:
                 self._bells -= 1
+                self._bell_fifos.difference_update(region.fifos)
 
-    def _bell_serve(self, rid: str, body: bytes) -> bytes:
-        """One doorbell request: the ``shm_push`` of region ``rid`` it must be, served as
-        :meth:`_serve_body` serves a gRPC call (refusals and failures as ``refused``)."""
+    def _bell_request(self, rid: str, body: bytes) -> Message:
+        """``body`` decoded, if it is a request a doorbell carries: a ``shm_push`` of region
+        ``rid`` with no tensors. Anything else (a reply, another op, another region's push,
+        bytes that do not decode) raises :class:`_NotARequest`: answering it with a refusal
+        would write into a pipe that may be another doorbell's request pipe."""
         try:
             msg = self._decode(body)
-            if msg.op != "shm_push" or msg.fields.get("region") != rid or msg.entries:
-                raise _err(f"a doorbell carries only its own region's shm_push, got "
-                           f"{msg.op!r}")
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is not a request
+            raise _NotARequest(f"a message that does not decode ({str(exc)[:120]})") from None
+        if msg.op != "shm_push" or msg.fields.get("region") != rid or msg.entries:
+            raise _NotARequest(f"a doorbell carries only its own region's shm_push, got "
+                               f"{msg.op[:40]!r}")
+        return msg
+
+    def _bell_serve(self, msg: Message) -> bytes:
+        """One doorbell request (checked by :meth:`_bell_request`), served as
+        :meth:`_serve_body` serves a gRPC call (refusals and failures as ``refused``)."""
+        try:
             return self._shm_push(msg)
         except Exception as exc:  # noqa: BLE001 - a shard must survive any single request
             failure = self._refusal(exc)
@@ -1164,14 +1281,21 @@ class ShardServer:
 
     def _purge_regions(self) -> None:
         """Forget the regions of workers that are gone (caller holds ``_regions_lock``): a
-        worker that died never detached; its memory is freed once nothing maps it."""
+        worker that died never detached; its memory is freed once nothing maps it, and its
+        doorbell thread (if any) ends when it next looks (within _BELL_IDLE_SECONDS)."""
         for rid, region in list(self._regions.items()):
-            try:
-                os.kill(region.pid, 0)
-            except ProcessLookupError:
+            if not _alive(region):
                 del self._regions[rid]
-            except OSError:
-                pass  # exists (another uid cannot be, but then it is alive)
+
+    async def _reap_regions(self) -> None:
+        """Every :data:`_REAP_SECONDS`, drop the regions of dead workers, whether or not
+        their doorbells are busy (a doorbell only checks its worker when idle, and a new
+        attach only purges when it comes)."""
+        while not self._stopped.is_set():
+            await asyncio.sleep(_REAP_SECONDS)
+            if self._regions:
+                with self._regions_lock:
+                    self._purge_regions()
 
     def _region(self, fields: dict[str, Any]) -> _Region:
         rid = fields.get("region")
@@ -1271,7 +1395,7 @@ class ShardServer:
         left = context.time_remaining()
         if left is not None:  # answer (with reached=False) before the caller's deadline
             timeout = min(timeout, left - 0.5)
-        slots = self._select(_names(msg.fields))
+        slots = self._select(_names(msg.fields), "wait_version")
         fetch = _names(msg.fields, "fetch")
         wanted = slots if fetch is None else [self._slot(n) for n in fetch]
         self._check_reply("wait_version", [(s.name, s.value.nbytes) for s in wanted],
@@ -1337,12 +1461,16 @@ class ShardServer:
         if not isinstance(hyper, dict) or "name" in hyper:
             raise _err("set_hyperparams needs a 'hyperparams' object (without 'name')")
         # Validate every new configuration the way torch would before changing any slot.
-        planned = rules.plan_hyperparameters(self._select(_names(msg.fields)), hyper)
+        planned = rules.plan_hyperparameters(self._select(_names(msg.fields),
+                                                          "set_hyperparams"), hyper)
         rules.apply_hyperparameters(planned)
         return wire.encode("ok", {"changed": len(planned)})
 
     def _get_state(self, msg: Message) -> bytes:
-        slots = self._select(_names(msg.fields))
+        slots = self._select(_names(msg.fields), "get_state")
+        # Counted and sized before any lock is taken (optimizer state read without its lock:
+        # an estimate, checked again exactly under the locks below).
+        self._check_reply("get_state", [(n, b) for s in slots for n, b in _state_sizes(s)])
         unique = sorted({id(s): s for s in slots}.values(), key=lambda s: s.name)
         for s in unique:
             s.lock.acquire()
@@ -1468,7 +1596,18 @@ def _declared_bytes(metadata: Any) -> int | None | _Abort:
     return None
 
 
-def _header_bytes(request: bytes | bytearray) -> int:
+def _receive_buffer(size: int) -> bytearray | mmap.mmap:
+    """A writable buffer of ``size`` bytes for a chunked request, allocated without touching
+    its pages: an anonymous mapping, which the kernel zero-fills page by page as the chunks
+    are written. ``bytearray(size)`` zero-fills all of it at once, on the event loop: ~1 s
+    for 1000 MiB, during which no other client is served."""
+    if size < _MMAP_BYTES:
+        return bytearray(size)
+    return mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                     mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _header_bytes(request: bytes | bytearray | mmap.mmap) -> int:
     """The JSON header length a request's frame prefix declares (0 if it has none)."""
     return int.from_bytes(request[8:12], "little") if len(request) >= 12 else 0
 

@@ -42,14 +42,14 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["ENV", "BELL_ENV", "BELL_MAX_BYTES", "HEADER_BYTES", "NONCE_BYTES", "Layout",
            "layout", "enabled", "bell_enabled", "supported", "WorkerRegion", "RegionRefused",
-           "open_region", "Bell", "BellTimeout", "BellClosed", "open_bell", "bell_wait",
+           "open_region", "REGION_REFUSED", "Bell", "BellTimeout", "BellClosed", "open_bell", "FifoId", "bell_wait",
            "bell_receive", "bell_send"]
 
 #: ``0`` turns the shared-memory path off (every call goes over gRPC); anything else, or
@@ -208,12 +208,54 @@ class WorkerRegion:
 
 
 class RegionRefused(ValueError):
-    """A region failed one of the shard's checks; the message names which and the fix."""
+    """A region or doorbell failed one of the shard's checks. ``str()`` is what the caller
+    is told: for a region, one generic sentence (:data:`REGION_REFUSED`) whatever check
+    failed, so a refusal never describes a file another process holds open (its type, size,
+    owner or mode); :attr:`detail` names the check that failed, for the shard's own log."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail if detail is not None else message
+
+
+#: What a refused region is answered, whichever check failed (the shard logs which).
+REGION_REFUSED = (f"shm_attach: region refused: it must be a memfd that the calling worker "
+                  f"holds open, owned by this shard's uid, mode 0600, sealed against "
+                  f"shrinking and growing, exactly the size of the declared tensors' layout and "
+                  f"holding the declared nonce (the shard's log names the check that failed). "
+                  f"Fix: let the worker create the region (stratagem.ps.shm.WorkerRegion), or "
+                  f"set {ENV}=0 on the worker to use gRPC only")
+
+
+def _region_check(f: int, lay: Layout) -> str | None:
+    """Why the open file ``f`` is not an acceptable region (None: it is)."""
+    import fcntl
+
+    st = os.fstat(f)
+    if not stat.S_ISREG(st.st_mode):
+        return f"it is not a regular file (mode {stat.filemode(st.st_mode)})"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not this shard's uid {os.geteuid()}"
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        return f"its mode is {stat.S_IMODE(st.st_mode):03o}, not exactly 600"
+    if st.st_size != lay.size:
+        return (f"it holds {st.st_size} bytes, not the {lay.size} bytes the layout of the "
+                "declared tensors needs")
+    needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    try:
+        seals = fcntl.fcntl(f, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & needed != needed:
+        return ("it is not a memfd sealed against shrinking and growing (a truncation would "
+                "crash the shard with SIGBUS)")
+    return None
 
 
 def open_region(pid: int, fd: int, lay: Layout, nonce: bytes) -> mmap.mmap:
     """Map the region the worker ``pid`` holds as descriptor ``fd`` (shard side), after
-    checking it as the module docstring says; raises :class:`RegionRefused` otherwise.
+    checking it as the module docstring says; raises :class:`RegionRefused` otherwise, with
+    the same generic message whichever check failed (its ``detail`` says which).
 
     ``/proc/<pid>/fd/<fd>`` is a kernel "magic link" to an open file of that process, so it
     cannot be opened with ``O_NOFOLLOW``; the path is built here from two integers (never a
@@ -224,54 +266,31 @@ def open_region(pid: int, fd: int, lay: Layout, nonce: bytes) -> mmap.mmap:
         raise RegionRefused(f"shm_attach: pid and fd must be integers in range, got pid={pid!r} "
                             f"fd={fd!r}")
     path = f"/proc/{pid}/fd/{fd}"
-    fix = ("Fix: let the worker create the region (stratagem.ps.shm.WorkerRegion), or set "
-           f"{ENV}=0 on the worker to use gRPC only")
+
+    def refused(why: str) -> RegionRefused:
+        return RegionRefused(REGION_REFUSED, f"region {path}: {why}")
+
     try:
         before = os.stat(path)
     except OSError as exc:
-        raise RegionRefused(f"shm_attach: cannot see the region {path}: {exc.strerror}; the "
-                            "worker is not on this machine (or in another pid namespace). "
-                            + fix) from None
+        raise refused(f"cannot see it: {exc.strerror} (not on this machine, or in another "
+                      "pid namespace)") from None
     if not stat.S_ISREG(before.st_mode):
-        raise RegionRefused(f"shm_attach: {path} is not a regular file (mode "
-                            f"{stat.filemode(before.st_mode)}); refused. " + fix)
+        raise refused(f"not a regular file (mode {stat.filemode(before.st_mode)})")
     try:
         f = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise RegionRefused(f"shm_attach: cannot open the region {path}: {exc.strerror}. "
-                            + fix) from None
+        raise refused(f"cannot open it: {exc.strerror}") from None
     try:
-        st = os.fstat(f)
-        why = None
-        if not stat.S_ISREG(st.st_mode):
-            why = f"it is not a regular file (mode {stat.filemode(st.st_mode)})"
-        elif st.st_uid != os.geteuid():
-            why = (f"it is owned by uid {st.st_uid}, not this shard's uid {os.geteuid()}")
-        elif stat.S_IMODE(st.st_mode) != 0o600:
-            why = f"its mode is {stat.S_IMODE(st.st_mode):03o}, not exactly 600"
-        elif st.st_size != lay.size:
-            why = (f"it holds {st.st_size} bytes, not the {lay.size} bytes the layout of the "
-                   "declared tensors needs")
-        else:
-            import fcntl
-
-            needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-            try:
-                seals = fcntl.fcntl(f, fcntl.F_GET_SEALS)
-            except OSError:
-                seals = 0
-            if seals & needed != needed:
-                why = ("it is not a memfd sealed against shrinking and growing (a truncation "
-                       "would crash the shard with SIGBUS)")
+        why = _region_check(f, lay)
         if why is not None:
-            raise RegionRefused(f"shm_attach: region {path} refused: {why}. " + fix)
+            raise refused(why)
         mm = mmap.mmap(f, lay.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(f)
     if not hmac.compare_digest(mm[:NONCE_BYTES], nonce):
         mm.close()
-        raise RegionRefused(f"shm_attach: region {path} does not hold the declared nonce: it is "
-                            "not the caller's region. " + fix)
+        raise refused("it does not hold the declared nonce: not the caller's region")
     return mm
 
 
@@ -288,12 +307,18 @@ def open_region(pid: int, fd: int, lay: Layout, nonce: bytes) -> mmap.mmap:
 # Trust: the pipes are created by the worker and opened by the shard, once, through
 # ``/proc/<pid>/fd/<fd>`` in the authenticated ``shm_attach``, after the region itself passed
 # :func:`open_region` (so ``pid`` is the caller's process: it holds the sealed memfd with the
-# nonce the call declared, which only the process that made it knows), and checked: FIFOs owned by the shard's
-# uid, two different pipes, and the request pipe must begin with the region's nonce, which
-# only the caller wrote there. Every message after that is length-checked before
+# nonce the call declared, which only the process that made it knows), and checked: FIFOs
+# owned by the shard's uid, two different pipes, neither one of the shard's doorbells
+# already, and the request pipe must begin with the region's nonce, which only the caller
+# wrote there. Every message after that is length-checked before
 # anything is allocated and decoded by ``wire`` (no pickle), and must be a ``shm_push`` of
-# that one region; every read and write has a deadline. A worker that misbehaves on its own
-# pipes only loses its own channel (the shard closes it; the worker falls back to gRPC).
+# that one region; every read and write has a deadline. Anything else on a request pipe (a
+# reply, another op, another region's push, bytes that do not decode) closes that channel
+# unanswered: the shard never writes a refusal into a pipe, so two doorbells wired to each
+# other cannot answer each other's refusals forever. A pipe the shard already serves as a
+# doorbell is refused at attach (compared by st_dev/st_ino) before anything is read from it.
+# A worker that misbehaves on its own pipes only loses its own channel (the shard closes it
+# and drops the region; the worker falls back to gRPC).
 
 
 class BellTimeout(OSError):
@@ -431,10 +456,18 @@ class Bell:
             self._close(fd)
 
 
-def open_bell(pid: int, fds: object, nonce: bytes) -> tuple[int, int]:
+#: A pipe as the kernel knows it: ``(st_dev, st_ino)`` of either end.
+FifoId = tuple[int, int]
+
+
+def open_bell(pid: int, fds: object, nonce: bytes,
+              held: Collection[FifoId] = ()) -> tuple[int, int, tuple[FifoId, FifoId]]:
     """Open the doorbell pipes the worker ``pid`` declared (``[request read end, reply write
-    end]``) as the shard's own non-blocking descriptors ``(request, reply)``, after the checks
-    the section comment above names; raises :class:`RegionRefused` otherwise."""
+    end]``) as the shard's own non-blocking descriptors; returns ``(request, reply, (request
+    pipe's id, reply pipe's id))``, after the checks the section comment above names. A pipe
+    in ``held`` (those of the doorbells the shard already serves) is refused before anything
+    is read from it: two doorbells sharing a pipe (one's reply pipe the other's request
+    pipe) would answer each other forever. Raises :class:`RegionRefused` otherwise."""
     import time
 
     if not (isinstance(fds, list) and len(fds) == 2 and all(
@@ -460,8 +493,12 @@ def open_bell(pid: int, fds: object, nonce: bytes) -> tuple[int, int]:
                 raise RegionRefused(f"shm_attach: doorbell {path} is not a pipe owned by uid "
                                     f"{os.geteuid()}")
         a, b = (os.fstat(f) for f in opened)
-        if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+        ids = ((a.st_dev, a.st_ino), (b.st_dev, b.st_ino))
+        if ids[0] == ids[1]:
             raise RegionRefused("shm_attach: the doorbell's two descriptors are one pipe")
+        if ids[0] in held or ids[1] in held:
+            raise RegionRefused("shm_attach: a doorbell pipe is already one of this shard's "
+                                "doorbells (each region needs two pipes of its own)")
         try:  # written before the call (atomically: below PIPE_BUF), so it is there now
             proof = _read_exact(opened[0], len(nonce), time.monotonic())
         except (BellTimeout, BellClosed):
@@ -473,4 +510,4 @@ def open_bell(pid: int, fds: object, nonce: bytes) -> tuple[int, int]:
         for f in opened:
             os.close(f)
         raise
-    return opened[0], opened[1]
+    return opened[0], opened[1], ids

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -319,7 +320,8 @@ def decode_header(data: bytes | bytearray, limits: Limits | None = None
     return op, fields, metas
 
 
-def _header(data: bytes | bytearray, lim: Limits) -> tuple[str, dict[str, Any], list[Any], int]:
+def _header(data: bytes | bytearray | mmap.mmap, lim: Limits
+            ) -> tuple[str, dict[str, Any], list[Any], int]:
     size = len(data)
     if size < _PREFIX.size:
         raise WireError(f"message of {size} bytes is shorter than the {_PREFIX.size}-byte frame "
@@ -368,7 +370,7 @@ def _header(data: bytes | bytearray, lim: Limits) -> tuple[str, dict[str, Any], 
     return op, fields, metas, head_end
 
 
-def decode(data: bytes | bytearray, limits: Limits | None = None) -> Message:
+def decode(data: bytes | bytearray | mmap.mmap, limits: Limits | None = None) -> Message:
     """Validate and decode one message; raises :class:`WireError` on anything malformed."""
     lim = limits or Limits()
     size = len(data)
