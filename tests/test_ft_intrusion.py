@@ -172,11 +172,12 @@ def test_an_intruder_on_another_node_never_joins_a_two_node_job(tmp_path: Path) 
         procs: list[subprocess.Popen[Any]] = []
         logs = [open(tmp_path / f"node{i}.log", "w+") for i in range(nodes)]  # noqa: SIM115
         report_path = tmp_path / "intruder.json"
-        honeypot_script = (
-            "import socket,sys,json,time\n"
+        stop = tmp_path / "honeypot.stop"
+        honeypot_script = (  # counts connections until the stop file appears (at most 120 s)
+            "import os,socket,sys,json,time\n"
             "s=socket.create_server((sys.argv[1],0));s.settimeout(0.2)\n"
             "print(s.getsockname()[1],flush=True);n=0;end=time.time()+float(sys.argv[2])\n"
-            "while time.time()<end:\n"
+            "while time.time()<end and not os.path.exists(sys.argv[4]):\n"
             "    try: c,_=s.accept();n+=1;c.close()\n"
             "    except OSError: pass\n"
             "open(sys.argv[3],'w').write(json.dumps({'connections':n}))\n")
@@ -184,7 +185,7 @@ def test_an_intruder_on_another_node_never_joins_a_two_node_job(tmp_path: Path) 
         try:
             intruder_ip = topo.node_ip(nodes)
             honeypot = topo.popen(nodes, [sys.executable, "-c", honeypot_script, intruder_ip,
-                                          "60", str(hp_out)], env=_env(),
+                                          "120", str(hp_out), str(stop)], env=_env(),
                                   stdout=subprocess.PIPE, text=True)
             procs.append(honeypot)
             hp_port = int(honeypot.stdout.readline())
@@ -201,7 +202,7 @@ def test_an_intruder_on_another_node_never_joins_a_two_node_job(tmp_path: Path) 
                 sys.executable, INTRUDER, "join", "--out", str(report_path),
                 "--lighthouse", f"http://{topo.node_ip(0)}:{port + 1}",
                 "--honeypot", f"{intruder_ip}:{hp_port}", "--host", intruder_ip,
-                "--seconds", "15"], env=_env(), stdout=subprocess.DEVNULL,
+                "--seconds", "10"], env=_env(), stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             procs.append(intruder)
             deadline = time.monotonic() + 180
@@ -215,7 +216,8 @@ def test_an_intruder_on_another_node_never_joins_a_two_node_job(tmp_path: Path) 
                 f.seek(0)
                 text += f.read()[-3000:]
             assert [p.returncode for p in procs[1:nodes + 1]] == [0, 0], text
-            honeypot.wait(timeout=90)
+            stop.write_text("")
+            honeypot.wait(timeout=30)
         finally:
             _stop(procs)
             for f in logs:
