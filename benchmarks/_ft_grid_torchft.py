@@ -1,4 +1,4 @@
-"""One worker of the hand-written torchft baseline of ``ft_grid.py`` (issue 22, item 4c).
+"""One worker of the hand-written torchft baseline of ``ft_grid.py`` (item 4c).
 
 The same work as ``tests/ft_scripts/train_ft.py --data mnist --model mlp --strategy
 mirrored``: ``stratagem.demo.MLP`` (seed 0) on MNIST-5k, SGD(lr 0.05, momentum 0.9), a global

@@ -1,4 +1,4 @@
-"""What a hostile checkpoint costs ``restore`` before it is refused (issue 25, items 3 and 4).
+"""What a hostile checkpoint costs ``restore`` before it is refused.
 
     PYTHONPATH=src python benchmarks/ckpt_hostile_memory.py [--cases dup,sparse] [--gib 3]
 

@@ -26,8 +26,8 @@ only ``lo`` runs.
 
 Writes ``benchmarks/results/convergence.{json,md,png}``. Done-when targets (``TARGETS``), each
 noted only for the strategies of its family in the run: on the shaped links at least one
-averaging strategy reaches 93% in <= 0.5x Mirrored's wall time (issue 9), parameter-server
-training in <= 1.0x (issue 11).
+averaging strategy reaches 93% in <= 0.5x Mirrored's wall time, parameter-server
+training in <= 1.0x.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ QUICK_STRATEGIES = ["mirrored", "easgd", "local_sgd"]
 #: Done-when targets on the shaped links, per family of strategies (registry names): the
 #: family's fastest strategy to 93%, as a ratio of Mirrored's wall time, must be <= limit.
 TARGETS: tuple[tuple[str, str, frozenset[str], float], ...] = (
-    ("averaging strategy", "issue 9",
+    ("averaging strategy", "averaging target",
      frozenset({"easgd", "easgd-async", "eamsgd", "local_sgd", "diloco"}), 0.5),
-    ("parameter-server strategy", "issue 11", frozenset({"ps-async", "ps-sync"}), 1.0),
+    ("parameter-server strategy", "parameter-server target", frozenset({"ps-async", "ps-sync"}), 1.0),
 )
 PS_MODULE = "stratagem.strategies.parameter_server"
 
@@ -253,7 +253,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
              nnodes: int | None = None) -> dict[str, Any]:
     """One job: ``args.workers`` worker processes (in namespaces on a shaped link).
 
-    ``spec`` replaces ``STRATEGIES[key]`` (other benchmarks' tables). ``nnodes=K`` (issue 12,
+    ``spec`` replaces ``STRATEGIES[key]`` (other benchmarks' tables). ``nnodes=K`` (
     ``benchmarks/hierarchical.py``): K nodes of W/K workers, the workers of a node sharing
     its namespace, with torchrun's per-node environment; by default every worker has a
     namespace of its own and the job is one node."""
@@ -604,8 +604,8 @@ def _auto_notes(rows: list[dict[str, Any]], runs: list[dict[str, Any]],
     for link in sorted({r["link"] for r in rows}):
         if link == "lo":
             continue
-        # Each target is about its own family: a PS-only run says nothing about issue 9's.
-        for family, issue, members, limit in TARGETS:
+        # Each target is about its own family: a PS-only run says nothing about the averaging target.
+        for family, target, members, limit in TARGETS:
             best = [r for r in rows if r["link"] == link and "missing" not in r
                     and registry.get(r["strategy"]) in members
                     and math.isfinite(r.get("ratio", math.nan))]
@@ -613,7 +613,7 @@ def _auto_notes(rows: list[dict[str, Any]], runs: list[dict[str, Any]],
                 b = min(best, key=lambda r: r["ratio"])
                 verdict = "met" if b["ratio"] <= limit else "NOT met"
                 notes.append(f"{link}: fastest {family} to target is {b['strategy']} at "
-                             f"{b['ratio']:.2f}x Mirrored's wall time ({issue} target <= "
+                             f"{b['ratio']:.2f}x Mirrored's wall time ({target} <= "
                              f"{limit:.1f}x: {verdict}).")
     if any(r["strategy"] in ("easgd-async", "ps-async") for r in runs):
         notes.append("Async strategies (easgd-async, ps-async): no worker evaluates; an "

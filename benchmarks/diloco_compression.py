@@ -33,7 +33,7 @@ overlaps the backward inside C++ and is not timed). Medians over seeds; ratios a
 DiLoCo fp32 on the same link and seed are computed from runs made side by side in one
 invocation (the machine is shared, so absolute seconds are noisy).
 
-Writes ``benchmarks/results/diloco_compression.{json,md}``. Done-when targets (issue 24):
+Writes ``benchmarks/results/diloco_compression.{json,md}``. Done-when targets:
 int4 <= 0.14x and int8 <= 0.27x DiLoCo fp32's bytes per outer step; final validation loss
 within 1 % of DiLoCo fp32; streaming + int4 reaches the target in <= 0.6x DiLoCo fp32's wall
 time at 20 Mbit/s with the workers waiting on communication < 10 % of the wall time.
@@ -83,7 +83,7 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
 EXTRA: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "streaming-int4-a0": ("diloco", {**_DILOCO, "compression": "int4", "fragments": 4,
                                      "sync_delay": 2, "alpha": 0.0}, False, True),
-    # SparseLoCo (issue 24, item 3): top-k 2 % at 2 bits, error feedback.
+    # SparseLoCo: top-k 2 % at 2 bits, error feedback.
     "diloco-topk": ("diloco", {**_DILOCO, "compression": "topk"}, False, True),
     # Fragments without overlap: separates fragmenting (and its lagging consensus) from tau.
     "streaming-int4-sync": ("diloco", {**_DILOCO, "compression": "int4", "fragments": 4},

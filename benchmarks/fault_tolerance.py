@@ -1,4 +1,4 @@
-"""Fault tolerance, measured (issue 22): what a fault-tolerant step costs without failures,
+"""Fault tolerance, measured: what a fault-tolerant step costs without failures,
 and what a SIGKILLed worker costs with them.
 
 Runs ``tests/ft_scripts/train_ft.py`` (an MLP on 3000 synthetic 10-class digits) on N workers:

@@ -1,4 +1,4 @@
-"""Training through failures, side by side (issue 22, item 4): stratagem fault-tolerant vs
+"""Training through failures, side by side: stratagem fault-tolerant vs
 restart-all + resume vs torchft written by hand, with a worker SIGKILLed every T seconds.
 
 Work: ``stratagem.demo.MLP`` (``--width`` hidden units) on MNIST-5k, 4 workers, a global

@@ -1,4 +1,4 @@
-"""Fault tolerance per strategy (issue 22's first "Done when"): a 4-worker job under
+"""Fault tolerance per strategy: a 4-worker job under
 ``stratagem run --fault-tolerant`` with three SIGKILLs, side by side with the same job without
 failures, for each synchronous strategy that runs fault tolerant.
 

@@ -2,7 +2,7 @@
 
     python benchmarks/hierarchical.py [--seeds 3] [--links 20mbit,100mbit] [--quick]
 
-Issue 12, item 7. The job of ``benchmarks/convergence.py`` (MNIST-5k, MLP 784-256-256-10, Adam
+The job of ``benchmarks/convergence.py`` (MNIST-5k, MLP 784-256-256-10, Adam
 lr 2e-3, global batch 128 over 4 workers, the consensus model evaluated every ``--eval-every``
 steps, stop at ``--target``), run on 2 nodes x 2 workers: each node is a network namespace
 holding both of its workers (intra-node traffic stays on the namespace's own loopback path,
@@ -26,7 +26,7 @@ in the root namespace (evaluation stop/go keys, heartbeats), so they are an uppe
 strategy's own traffic; the strategies' ``metrics()`` (worker 0's bytes sent + received per
 step) are reported next to them.
 
-Writes ``benchmarks/results/hierarchical.{json,md}``. Done-when target (issue 12): at 20 Mbit/s
+Writes ``benchmarks/results/hierarchical.{json,md}``. Done-when target: at 20 Mbit/s
 Hierarchical reaches 93% in <= 0.3x flat Mirrored's wall time and <= 1.0x flat DiLoCo's, with
 fewer inter-node bytes per step than either. Needs root (namespaces); exits 2 with the reason
 otherwise.

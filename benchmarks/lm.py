@@ -24,7 +24,7 @@ Links: ``lo`` (loopback) and shaped links (``100mbit``, ``20mbit``): every worke
 network namespace behind a veth capped both ways with ``tc tbf`` (``stratagem.testing.netns``);
 the store and the shard sit on the bridge. Needs root; without it only ``lo`` runs.
 
-Writes ``benchmarks/results/lm.{json,md,png}``. Done-when target (issue 14): DiLoCo reaches
+Writes ``benchmarks/results/lm.{json,md,png}``. Done-when target: DiLoCo reaches
 the target loss in <= 0.3x Mirrored's wall time at 20 Mbit/s.
 """
 

@@ -1,4 +1,4 @@
-"""A loop written the Accelerate way, on stratagem (issue 23).
+"""A loop written the Accelerate way, on stratagem.
 
 The shape of Accelerate's ``examples/complete_nlp_example.py`` (prepare, gradient
 accumulation, clipping, a warm-up/decay LR schedule, metrics gathered over every process,

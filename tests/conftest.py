@@ -29,7 +29,7 @@ _CHAOS_FILES = frozenset({
     "test_multinode_ft.py", "test_resume.py", "test_ps_faults.py", "test_network_exposure.py",
     "test_clean_exit.py", "test_faults.py", "test_ft_intrusion.py"})
 _INTEGRATION_FILES = frozenset({
-    "test_gpu.py", "test_hostile_25.py", "test_rpc.py", "test_security.py", "test_shm.py",
+    "test_gpu.py", "test_hostile_poisoning_and_bloat.py", "test_rpc.py", "test_security.py", "test_shm.py",
     "test_hostile.py", "test_shard_hostile_peers.py", "test_bad_inputs.py", "test_cli.py", "test_examples.py",
     "test_hierarchical.py", "test_import_cost.py", "test_nanogpt_loop.py", "test_ports.py",
     "test_sharded.py", "test_sharded_hierarchical.py", "test_state_protocol.py",

@@ -1,4 +1,4 @@
-"""Errors before launch, once (issue 23): a strategy's arguments are checked by name in
+"""Errors before launch, once: a strategy's arguments are checked by name in
 ``sg.from_name`` and built once, without joining anything, before ``stratagem run`` or
 ``sg.launch`` start a worker; a job whose workers all raise prints the exception once."""
 
@@ -147,7 +147,7 @@ def test_run_misspelt_strategy_arg_exits_2_at_once(tmp_path):
                                "LocalSGD (local_sgd) has no argument 'perod'; did you mean "
                                "period? Valid arguments: period, ")
     assert not (tmp_path / "started").exists()  # no worker ever started
-    # Issue 23 asks for < 3 s (measured: ~0.2-0.3 s, the names are read from the strategy's
+    # The bound is < 3 s (measured: ~0.2-0.3 s, the names are read from the strategy's
     # source before torch is imported); the bound here leaves room for a loaded machine.
     assert seconds < 30, seconds
 

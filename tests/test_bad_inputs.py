@@ -1,4 +1,4 @@
-"""The bad-input matrix of issue 6: each fault raises the named exception with the constraint,
+"""The bad-input matrix: each fault raises the named exception with the constraint,
 the value and the fix, within a bound, and nothing hangs. Cases already tested elsewhere are
 only referenced here (see docs/reliability.md for the whole matrix and measured times):
 

@@ -1,4 +1,4 @@
-"""Issue 23, item 5: BatchNorm running statistics (buffers) per strategy.
+"""BatchNorm running statistics (buffers) per strategy.
 
 Each strategy keeps the buffers its own way while training (docs/guide.md, "BatchNorm and
 buffers"); after ``finalize`` every replica, ``eval_model`` and the checkpoint hold the

@@ -1,4 +1,4 @@
-"""Async chaos, the short CI version (issue 6; the long run is ``scripts/chaos_async.py``):
+"""Async chaos, the short CI version (the long run is ``scripts/chaos_async.py``):
 an EASGD-async worker SIGKILLed mid-run is restarted alone by ``sg.launch(restart="failed")``
 and the job completes; a killed parameter-server shard raises
 ``ParameterServerUnavailable`` and a shard restarted from the checkpoint resumes training."""

@@ -1,4 +1,4 @@
-"""Checkpoints (issue 6): atomic versions, manifest, keep_last, fall-back, complete state, and
+"""Checkpoints: atomic versions, manifest, keep_last, fall-back, complete state, and
 refusal of malicious files (safetensors headers, pickles) without big allocations."""
 
 from __future__ import annotations

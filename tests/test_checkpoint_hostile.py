@@ -1,4 +1,4 @@
-"""Checkpoints never delete or read outside what they own (issue 10, item 2): planted links
+"""Checkpoints never delete or read outside what they own: planted links
 next to a checkpoint, symlinked members, one read per file, bounded ``.pt`` inputs, malformed
 manifests and headers. Each refusal is a ``CheckpointError`` naming the path or field, and
 what a planted link points at stays byte for byte."""

@@ -1,4 +1,4 @@
-"""Hostile checkpoints and shared directories (issue 25, items 1, 3, 4): another user's (or a
+"""Hostile checkpoints and shared directories: another user's (or a
 world-writable) versions directory, link or version; a link swapped between the check and
 the read; a sharded index that repeats a file, a tensor or a row range, or declares shapes
 its files do not hold; optimizer state shaped unlike the optimizer's parameters; sparse or

@@ -1,4 +1,4 @@
-"""Any stateful object in checkpoints (issue 23, item 2): LR schedulers, ``GradScaler`` and a
+"""Any stateful object in checkpoints: LR schedulers, ``GradScaler`` and a
 user's object round-trip bitwise through ``save``/``restore`` under every strategy, without
 pickle; a value that fits neither safetensors nor strict JSON is refused naming its key path;
 a restored scheduler resumes at the scheduled learning rate. Also the codec itself

@@ -1,4 +1,4 @@
-"""Shared (tied) parameters, torch.compile names and read_extras in checkpoints (issue 14,
+"""Shared (tied) parameters, torch.compile names and read_extras in checkpoints (
 items 1, 5 and 6): a model whose output head is tied to its embedding saves each storage once
 under every strategy, its ``model.safetensors`` loads into a plain module with
 ``safetensors.torch.load_model`` (re-tied), and restore keeps the tie."""

@@ -1,4 +1,4 @@
-"""Issue 10: every run exits cleanly. The abort at exit came from gloo threads outliving the
+"""Every run exits cleanly. The abort at exit came from gloo threads outliving the
 interpreter (see ``stratagem.comm.release_all``); these tests check the mechanism that
 prevents it — no gloo thread is left when finalization starts, whether the script calls
 ``strategy.close()`` or simply returns — rather than counting rare aborts (that is

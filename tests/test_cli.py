@@ -72,7 +72,7 @@ def test_torchrun_command_single_and_multi_node() -> None:
     parser = cli.build_parser()
     single = cli.torchrun_command(parser.parse_args(
         ["run", "--nproc", "2", "--max-restarts", "1", "train.py", "--lr", "0.1"]))
-    # Single node: torchrun with a loopback-only agent store (issue 10).
+    # Single node: torchrun with a loopback-only agent store.
     assert single[1:5] == ["-m", "stratagem._torchrun", "--nproc-per-node", "2"]
     assert single[-3:] == ["train.py", "--lr", "0.1"]
     i = single.index("--master-port")

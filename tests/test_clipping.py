@@ -1,4 +1,4 @@
-"""``strategy.clip_grad_norm_`` (issue 14): unscaled gradients, only at the accumulation
+"""``strategy.clip_grad_norm_``: unscaled gradients, only at the accumulation
 boundary whatever the loop shape, the skip logic for non-finite norms, ``fit(clip_grad_norm=)``,
 and the ``accumulation_steps`` / ``global_accumulation_steps`` ergonomics."""
 

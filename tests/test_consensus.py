@@ -1,4 +1,4 @@
-"""The final / consensus model (issue 14): ``eval_model`` is always the user's module holding
+"""The final / consensus model: ``eval_model`` is always the user's module holding
 the consensus under every precision, ``finalize`` folds the last local steps in, the
 reusable ``strategy.autocast()``, and ``torch.compile``d models seen through."""
 

@@ -1,4 +1,4 @@
-"""Fault-tolerant synchronous training (issue 22): replicas as threads, declared faults.
+"""Fault-tolerant synchronous training: replicas as threads, declared faults.
 
 Every test runs real torchft quorums (a Lighthouse on loopback), real reconfigurable gloo
 groups and real heals through stratagem's heal transport; only process death is simulated
@@ -81,9 +81,9 @@ STRATEGIES = {
     "mirrored": lambda comm: sg.Mirrored(comm=comm),
     "local_sgd": lambda comm: sg.LocalSGD(comm=comm, period=4),
     "diloco": lambda comm: sg.DiLoCo(comm=comm, period=4, fragments=2),
-    # The quantized all-reduce (issue 24) on the fault-tolerant Comm: one mechanism for both.
+    # The quantized all-reduce on the fault-tolerant Comm: one mechanism for both.
     "diloco_int8": lambda comm: sg.DiLoCo(comm=comm, period=4, compression="int8"),
-    # ...and the top-k all-reduce (issue 24, SparseLoCo): the quorum opens before the gather.
+    # ...and the top-k all-reduce (SparseLoCo): the quorum opens before the gather.
     "diloco_topk": lambda comm: sg.DiLoCo(comm=comm, period=4, compression="topk:0.1+int2"),
     # Sync EASGD: the exchange is one transaction; a joiner gets the center, the schedule and
     # the moving rate (fixed from the launched slots, not the quorum of the moment).

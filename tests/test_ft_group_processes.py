@@ -1,4 +1,4 @@
-"""Fault-tolerant replica groups with real processes (issue 22): ``stratagem run
+"""Fault-tolerant replica groups with real processes: ``stratagem run
 --fault-tolerant --replica-group-size 2`` with ``Hierarchical``; a process SIGKILLed mid-run
 takes its group down and the group is restarted whole. Its own file, so that pytest-xdist
 can run it beside ``test_ft_processes.py`` (both launch several processes)."""
@@ -43,7 +43,7 @@ def test_a_sigkilled_process_takes_its_replica_group_down_and_the_group_heals(tm
     assert len(_pids(tmp_path, 2)) == 2 and len(_pids(tmp_path, 3)) == 2
     states, accs = _final(tmp_path, 4)
     _assert_bitwise_equal(states)
-    # The fault-free run of this data reaches 0.99 (synthetic clusters; issue 22's bar
+    # The fault-free run of this data reaches 0.99 (synthetic clusters; the bar
     # against a fault-free run is measured by benchmarks/ft_kills.py, where it is costlier).
     assert accs[0] >= 0.98, accs
     for s in (2, 3):

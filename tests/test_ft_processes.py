@@ -1,4 +1,4 @@
-"""Fault tolerance with real processes (issue 22): ``stratagem run --fault-tolerant``, a worker
+"""Fault tolerance with real processes: ``stratagem run --fault-tolerant``, a worker
 SIGKILLed mid-run and one SIGSTOPped. The process is the point here; every other fault path is
 tested with replicas as threads in ``test_ft.py``."""
 

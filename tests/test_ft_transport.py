@@ -1,4 +1,4 @@
-"""The heal transport of fault-tolerant training (issue 22, Deliver 2; issue 25's rules):
+"""The heal transport of fault-tolerant training (the hostile-input rules):
 ``stratagem.ft.transport.SafeHealTransport`` round-trips torchft's state dict bitwise, refuses
 a wrong token before sending anything, never unpickles (a hostile peer's pickle has no side
 effect), refuses oversized declarations before allocating, binds loopback only, and times

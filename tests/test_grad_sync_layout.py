@@ -1,4 +1,4 @@
-"""A fault-tolerant replica's DDP buckets are fixed at wrap time (issue 22).
+"""A fault-tolerant replica's DDP buckets are fixed at wrap time.
 
 DDP regroups its buckets after the first backward, by the order the gradients became ready;
 a replica that joins a running job would then reduce its first step's gradients in another

@@ -1,7 +1,7 @@
 """A Hugging Face ``transformers`` GPT-2 (tiny config, random init, no download, the token
 embedding tied to the LM head) trained under every strategy; the saved ``model.safetensors``
 loads back with ``GPT2LMHeadModel.from_pretrained`` (no missing or unexpected names, the tie
-restored) and holds the consensus model (issue 14, item 8).
+restored) and holds the consensus model.
 
 Multi-worker strategies run as 2 thread ranks; the parameter-server ones (and EASGD async)
 against one in-process shard."""

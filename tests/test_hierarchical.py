@@ -1,4 +1,4 @@
-"""Hierarchical: inner synchronisation inside a node, outer across nodes (issue 12)."""
+"""Hierarchical: inner synchronisation inside a node, outer across nodes."""
 
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def _launched_job() -> tuple[list[int], list[int], float, dict[str, str | None]]
 
 @pytest.mark.timeout(180)
 def test_hierarchical_in_launched_processes_on_two_simulated_nodes() -> None:
-    """Also sg.launch's node simulation (issue 12): nprocs=4, nnodes=2 is two nodes of two,
+    """Also sg.launch's node simulation: nprocs=4, nnodes=2 is two nodes of two,
     numbered node by node with torchrun's variables (one launch checks both: each costs
     ~15-20 s on this machine)."""
     results = sg.launch(_launched_job, nprocs=4, nnodes=2, timeout=150)

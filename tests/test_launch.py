@@ -184,7 +184,7 @@ def test_worker_stuck_at_exit_is_killed_and_result_kept(monkeypatch: pytest.Monk
         assert launch(_return_then_hang_at_exit, nprocs=1, timeout=30) == [7]
 
 
-# sg.launch(nprocs=4, nnodes=2) (issue 12: the torchrun node variables, and groups built from
+# sg.launch(nprocs=4, nnodes=2) (the torchrun node variables, and groups built from
 # them holding the right ranks) is checked by one launch that also trains Hierarchical over
 # those groups: tests/test_hierarchical.py::test_hierarchical_in_launched_processes_on_two_
 # simulated_nodes (a launch of 4 processes costs ~15-20 s here; one does both).
@@ -280,7 +280,7 @@ def test_shards_stop_when_the_launcher_is_sigkilled() -> None:
 
 @pytest.mark.timeout(120)
 def test_fault_tolerant_launch_replaces_a_dead_worker_with_the_warm_spare(monkeypatch, tmp_path):
-    # Issue 22: the replacement of a dead worker is a spare process started beforehand (torch
+    # The replacement of a dead worker is a spare process started beforehand (torch
     # already imported), which takes the dead worker's place and environment.
     pytest.importorskip("torchft")
     monkeypatch.setattr(launch_mod, "SPARE_DELAY", 0.5)

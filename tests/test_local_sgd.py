@@ -190,7 +190,7 @@ def test_diloco_bf16_pseudo_gradients_halve_the_bytes_and_stay_close():
 @pytest.mark.parametrize("kind, tol, ratio", [("bf16", 2e-2, 0.5), ("int8", 2e-2, 0.3),
                                               ("int4", 0.1, 0.16)])
 def test_local_sgd_compression_averages_the_changes_with_fewer_bytes(kind, tol, ratio):
-    # Issue 24: LocalSGD's average with a compressed wire is the average of the changes since
+    # LocalSGD's average with a compressed wire is the average of the changes since
     # the last one (DiLoCo's outer step with SGD lr 1): close to the plain average, every
     # replica bitwise equal after it, and the bytes of DiLoCo's compressed outer step (the
     # ratio to fp32 is above the GPT benchmark's 0.26 / 0.13 on this small model: the fp32

@@ -1,4 +1,4 @@
-"""Issue 12, item 6: real multi-node runs, each "node" a network namespace behind a bridge.
+"""Real multi-node runs, each "node" a network namespace behind a bridge.
 
 Every test builds its own namespaces (``stratagem.testing.netns``, names unique to this
 process) and runs ``stratagem run --nproc 2 --nnodes 2 --node-rank i --master-addr <node 0>``
@@ -131,7 +131,7 @@ def check_consensus(reports: list[dict[str, Any]], topo: Topology) -> None:
         assert r["env"]["GLOO_SOCKET_IFNAME"] == topo.node_ifname(node), r["env"]
         torch.testing.assert_close(_tensors(r["final"]), _tensors(reports[0]["final"]),
                                    rtol=0, atol=1e-6, msg=f"rank {rank} differs from rank 0")
-        # Issue 12: nothing of the job listens on every interface; the store (node 0) and gloo
+        # Nothing of the job listens on every interface; the store (node 0) and gloo
         # listen on the node's own address only (the node's namespace also has loopback).
         wild = [a for a in r["listening"] if a[0] in ("0.0.0.0", "::")]
         assert not wild, (rank, r["listening"])
@@ -230,7 +230,7 @@ def test_ps_shard_on_a_third_namespace_with_a_token(topo: Topology, tmp_path: Pa
         reports = run_nodes(topo, tmp_path / "out", "ps-sync", [], 6,
                             env={"STRATAGEM_PS_ADDRS": address,
                                  "STRATAGEM_PS_TOKEN_FILE": str(token),
-                                 # Namespaces on this machine: a network we trust (issue 25).
+                                 # Namespaces on this machine: a network we trust.
                                  "STRATAGEM_PS_ALLOW_PLAINTEXT": "1"})
         check_consensus(reports, topo)  # eval_model is the global model, read from the shard
         assert {r["env"]["STRATAGEM_PS_ADDRS"] for r in reports} == {address}

@@ -1,4 +1,4 @@
-"""Issue 22: a fault-tolerant job across two real network stacks (namespaces behind a bridge,
+"""A fault-tolerant job across two real network stacks (namespaces behind a bridge,
 ``stratagem.testing.netns``): ``stratagem run --nproc 2 --nnodes 2 --node-rank i
 --master-addr <node 0> --fault-tolerant --ft-token-file T`` in namespace ``i``, one launcher per
 node. A worker of node 1 is SIGKILLed mid-run: node 1's launcher restarts it alone, it heals

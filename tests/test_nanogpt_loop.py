@@ -1,4 +1,4 @@
-"""A nanoGPT-style training loop under every strategy (issue 14): an embedding tied to the
+"""A nanoGPT-style training loop under every strategy: an embedding tied to the
 output head, AdamW with decay / no-decay groups, the learning rate written into
 ``param_group["lr"]`` every iteration, clipping, accumulation 2, fp16 and bf16, a reusable
 ``ctx = strategy.autocast()``, ``torch.compile`` on Mirrored (two processes). Two thread-ranks each otherwise."""

@@ -1,4 +1,4 @@
-"""Issue 10, item 3: a single-node job listens on loopback only.
+"""A single-node job listens on loopback only.
 
 The real-process tests read the listening TCP sockets of the whole job while it runs
 (``/proc/net/tcp`` and ``/proc/net/tcp6`` joined with ``/proc/<pid>/fd``: the launcher or
@@ -176,7 +176,7 @@ def test_loopback_store_binds_loopback_only_and_names_a_busy_port() -> None:
 
 
 def test_bound_store_listens_on_its_address_only_and_refuses_wildcards() -> None:
-    """Issue 12: a multi-node store listens on the master address alone (127.0.0.2 stands in
+    """A multi-node store listens on the master address alone (127.0.0.2 stands in
     for node 0's private address: specific, but not the 127.0.0.1 of the loopback path)."""
     store = bound_tcp_store("127.0.0.2", 0, timeout=timedelta(seconds=5))
     try:
@@ -223,7 +223,7 @@ def test_run_refuses_exposed_or_incomplete_addresses(
 
 
 def test_multi_node_run_pins_collectives_to_the_route_to_the_master() -> None:
-    """Issue 12: the interface comes from the route to --master-addr (loopback here, standing
+    """The interface comes from the route to --master-addr (loopback here, standing
     in for the private network), a user's GLOO_SOCKET_IFNAME is kept, --iface wins over it."""
     if not loopback_env({}):
         pytest.skip("no loopback interface named lo/lo0 on this machine")
@@ -257,7 +257,7 @@ def test_run_uses_the_loopback_torchrun_for_single_node_only() -> None:
     single = cli.torchrun_command(parser.parse_args(["run", "--nproc", "2", "t.py"]))
     assert single[1:3] == ["-m", "stratagem._torchrun"]
     assert single[single.index("--master-addr") + 1] == "127.0.0.1"
-    # Issue 12: several nodes with the static rendezvous also bind the store themselves (on
+    # Several nodes with the static rendezvous also bind the store themselves (on
     # --master-addr only); the c10d backend's store stays torch's (a warning says so).
     multi = cli.torchrun_command(parser.parse_args(
         ["run", "--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1",
@@ -426,7 +426,7 @@ def _ft_replica_listeners(comm: Any) -> list[tuple[str, int]]:
 
 @pytest.mark.timeout(120)
 def test_fault_tolerant_replicas_listen_on_loopback_only() -> None:
-    # Issue 22: torchft's reconfigurable group hosts its rendezvous store with torch's
+    # Torchft's reconfigurable group hosts its rendezvous store with torch's
     # TCPStore(host_name=<host name>, is_master=True), which listens on every interface;
     # stratagem's group (stratagem.ft.comm.loopback_gloo_group) binds it to loopback.
     pytest.importorskip("torchft")

@@ -109,7 +109,7 @@ def test_async_prefetch_is_one_step_delayed_sgd(shards):
 
 
 def test_async_defaults_do_not_trade_freshness_for_speed(shards):
-    # Issue 11 item 7: async prefetch makes every gradient one fetch staler (measured ~2x
+    # Async prefetch makes every gradient one fetch staler (measured ~2x
     # the steps to target); it is opt-in. Sync prefetch changes no result: on by default.
     assert _ps(shards).prefetch is False
     assert _ps(shards, mode="sync").prefetch is True
@@ -653,7 +653,7 @@ def test_sync_timeout_names_the_dead_worker(shards):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_every_worker_starts_from_the_chiefs_initial_weights(shards, monkeypatch, mode):
-    # Issue 11: the chief registers, the others wait and pull. The chief's registration is
+    # The chief registers, the others wait and pull. The chief's registration is
     # slowed down so that, were registration "first wins", worker 1 would win.
     register = ShardedParameters.register
 

@@ -1,4 +1,4 @@
-"""Synchronisation parts alone and in strategies (issue 12): each part over a Comm of
+"""Synchronisation parts alone and in strategies: each part over a Comm of
 threads, and DiLoCo's outer step as a real torch optimizer against the hand-written update."""
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def test_diloco_compression_keyword_and_deprecated_alias() -> None:
         old = sg.DiLoCo(period=2, pseudo_grad_dtype="bf16", comm=Comm.single())
     assert old.compression == "bf16"
     with pytest.raises(ValueError, match="compression must be"):
-        sg.DiLoCo(period=2, compression="int2", comm=Comm.single())  # int8/int4: issue 24
+        sg.DiLoCo(period=2, compression="int2", comm=Comm.single())  # int8/int4 exist; int2 does not
 
 
 # ---------------------------------------------------------------------- parts alone

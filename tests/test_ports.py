@@ -1,4 +1,4 @@
-"""Issue 23: real scripts ported as a new user would, and the idioms the ports needed.
+"""Real scripts ported as a new user would, and the idioms the ports needed.
 
 - ``examples/imagenet_ddp``: pytorch/examples' ImageNet DDP script (``original.py``, data
   swapped for MNIST-5k) and its stratagem port (``main.py``), under Mirrored and LocalSGD on

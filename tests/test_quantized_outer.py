@@ -1,4 +1,4 @@
-"""Quantized outer synchronisation (issue 24): blockwise int8/int4, the quantized all-reduce
+"""Quantized outer synchronisation: blockwise int8/int4, the quantized all-reduce
 on Comm's primitives, error feedback, Streaming-DiLoCo overlap (sync_delay, alpha), and the
 checkpointed residuals / in-flight all-reduce."""
 
@@ -408,7 +408,7 @@ def test_mirrored_and_ps_refuse_quantized_kinds_with_where_they_work(kind):
 
 # ---------------------------------------------------------------------- Mirrored's residuals
 def test_mirrored_bf16_error_feedback_residuals_survive_save_and_restore(tmp_path):
-    # Before issue 24 the residuals restarted at zero after a restore, so a resumed run drifted
+    # Residuals that restarted at zero after a restore would make a resumed run drift
     # from the uninterrupted one by what the casts had not sent yet.
     def run(comm, batches, restore_from=None, save_to=None):
         strategy = sg.Mirrored(compression="bf16", error_feedback=True, comm=comm)

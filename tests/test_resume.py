@@ -1,4 +1,4 @@
-"""Resuming (issue 6): portable checkpoints across strategies and worker counts, exact
+"""Resuming: portable checkpoints across strategies and worker counts, exact
 resume, and with real processes a SIGKILLed worker restarted by ``stratagem run
 --max-restarts`` (bitwise equal to an uninterrupted run) and a SIGTERM preemption."""
 

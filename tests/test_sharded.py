@@ -113,7 +113,7 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol:
 
 
 def test_sharded_keeps_rank_0s_batchnorm_statistics_and_refuses_cpu_syncbatchnorm(runs):
-    """Issue 23: FSDP2 leaves buffers local; finalize broadcasts rank 0's, which the consensus
+    """FSDP2 leaves buffers local; finalize broadcasts rank 0's, which the consensus
     checkpoint and eval_model hold on every rank (tests/test_batchnorm.py has the others)."""
     results = [r["batchnorm"] for r in runs["first"]]
     check_consensus("sharded", results, runs["root"] / "batchnorm")
@@ -201,7 +201,7 @@ def _save_job(root: str) -> dict[str, Any]:
     result = {"mlp": (mlp_s, mlp_m), "saved": saved, "continued": _consensus(strategy, model),
               "local": local, "probe": probe, "out": out}
     strategy.close()
-    result["batchnorm"] = sharded_batchnorm_job(f"{root}/batchnorm")  # issue 23
+    result["batchnorm"] = sharded_batchnorm_job(f"{root}/batchnorm")
     return result
 
 

@@ -1,5 +1,5 @@
 """Strategy's public state protocol, the step-end hook, the feature registration, the default
-strategy supplied by the registry, and the one strategy table (issue 12, item 4)."""
+strategy supplied by the registry, and the one strategy table."""
 
 from __future__ import annotations
 

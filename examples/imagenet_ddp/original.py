@@ -1,4 +1,4 @@
-# pytorch/examples imagenet/main.py (BSD-3-Clause), as of the commit fetched for issue 23,
+# pytorch/examples imagenet/main.py (BSD-3-Clause), as of the commit fetched for the port,
 # with ONLY its data swapped: ImageFolder/torchvision -> MNIST-5k and a tiny ResNet with
 # BatchNorm (mnist5k.py), a --limit on the training digits, and main(argv) for tests.
 # `diff original.py main.py` is the stratagem port.

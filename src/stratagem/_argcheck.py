@@ -1,4 +1,4 @@
-"""A strategy's arguments checked before any worker starts (issue 23).
+"""A strategy's arguments checked before any worker starts.
 
 ``stratagem run --strategy NAME --strategy-arg k=v`` and ``sg.launch`` with
 ``STRATAGEM_STRATEGY`` in the workers' environment used to start every worker, each of which

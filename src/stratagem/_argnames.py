@@ -1,5 +1,5 @@
 """A strategy's keyword arguments by name: which ones a class accepts, and a one-line
-``TypeError`` for one it does not, with the nearest valid name (issue 23; ``sg.from_name``
+``TypeError`` for one it does not, with the nearest valid name (``sg.from_name``
 runs :func:`check_names`, and so does ``stratagem run`` before starting any worker, through
 :mod:`stratagem._argcheck`). Reads signatures only: nothing is built.
 

@@ -1,4 +1,4 @@
-"""Rendezvous stores that listen on loopback only, for single-node jobs (issue 10, item 3).
+"""Rendezvous stores that listen on loopback only, for single-node jobs.
 
 torch's ``TCPStore(host, port, is_master=True)`` ignores ``host`` when it listens: both of its
 backends bind the wildcard address (``*:port``, every interface, IPv4 and IPv6; measured with
@@ -13,7 +13,7 @@ Clients are unchanged (plain ``TCPStore(host, port)``, ``env://``), so user code
 ``python -m stratagem._torchrun ARGS`` (:func:`torchrun_main`) is ``torchrun ARGS`` whose
 static-rendezvous store (hosted by the agent of node 0) listens on ``--master-addr`` only, through
 :func:`bound_tcp_store`: loopback for single-node jobs, node 0's own address for multi-node jobs
-(issue 12; ``stratagem run --nnodes K`` uses it too). A wildcard master address is refused.
+(``stratagem run --nnodes K`` uses it too). A wildcard master address is refused.
 
 Multi-node jobs must be reachable by the other nodes, but not by every network the machine is
 on: the store listens on the master address alone, and the workers' gloo/NCCL sockets on the
@@ -165,7 +165,7 @@ def bound_tcp_store(host: str, port: int = 0, *, world_size: int | None = None,
                     **kwargs: Any) -> TCPStore:
     """A master ``TCPStore`` that listens on ``host`` (one address of this machine) only.
 
-    Multi-node jobs (issue 12) host the store on node 0's address on the private network,
+    Multi-node jobs host the store on node 0's address on the private network,
     instead of torch's every-interface listener. Raises ``ValueError`` for a wildcard ``host``,
     ``OSError`` (EADDRINUSE) naming ``host:port`` when the port is taken and ``OSError``
     (EADDRNOTAVAIL) when ``host`` is not an address of this machine.

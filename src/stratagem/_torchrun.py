@@ -1,9 +1,9 @@
 """``python -m stratagem._torchrun ARGS``: torchrun whose static-rendezvous store listens on
-``--master-addr`` only — loopback for single-node jobs (issue 10), node 0's address on the
-private network for multi-node jobs (issue 12); how and why in :mod:`stratagem._rendezvous`.
+``--master-addr`` only — loopback for single-node jobs, node 0's address on the
+private network for multi-node jobs; how and why in :mod:`stratagem._rendezvous`.
 ``stratagem run`` starts every static-rendezvous job with it.
 
-It also reports worker failures once (issue 23): each worker's script runs through
+It also reports worker failures once: each worker's script runs through
 :mod:`stratagem._worker`, which writes an exception escaping the script as a record in a
 private temporary directory instead of printing it; when the job fails, the records are
 printed here once, grouped by exception with their ranks and the first traceback, in place of

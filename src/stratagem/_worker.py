@@ -1,6 +1,6 @@
 """Worker failures reported once: ``stratagem run`` runs each worker's script through this file
 and prints the exceptions of a failed job once, grouped by exception, with the ranks and the
-first traceback (issue 23), instead of one traceback per rank inside torchrun's failure table.
+first traceback, instead of one traceback per rank inside torchrun's failure table.
 
 Three pieces, all here so that one module owns the record format:
 

@@ -3,11 +3,11 @@
 ``stratagem run`` is a thin layer over torchrun (``python -m torch.distributed.run``): it
 picks a free port for single-node jobs, optionally starts parameter-server shards first,
 exports the strategy choice for ``sg.from_env()``, forwards SIGINT/SIGTERM and propagates
-torchrun's exit code. Single-node jobs listen on loopback only (issue 10): torchrun runs as
+torchrun's exit code. Single-node jobs listen on loopback only: torchrun runs as
 ``python -m stratagem._torchrun``, whose agent store binds 127.0.0.1 instead of every
 interface, and the workers' gloo/NCCL sockets are pinned to the loopback interface; a
 non-loopback ``--master-addr`` on one node is refused. Multi-node jobs with the static
-rendezvous (``--nnodes K --node-rank i --master-addr A``, issue 12) listen on the private
+rendezvous (``--nnodes K --node-rank i --master-addr A``) listen on the private
 network only: the store on ``A`` alone (node 0), the workers' gloo/NCCL sockets on the interface
 that holds this node's address (derived from the route to ``A``, or ``--iface``).
 Subcommands are registered with :func:`subcommand`; modules behind ``ps``, ``demo`` and
@@ -153,13 +153,13 @@ def _single_node(args: argparse.Namespace) -> bool:
 
 def _static_multi_node(args: argparse.Namespace) -> bool:
     """Several nodes meeting at node 0's store (``--master-addr``), torchrun's static
-    rendezvous: the store is ours to bind (issue 12)."""
+    rendezvous: the store is ours to bind."""
     return not _single_node(args) and args.rdzv_backend is None
 
 
 def _loopback_job(args: argparse.Namespace) -> bool:
     """A single-node job whose rendezvous address is loopback: nothing needs to listen beyond
-    it (issue 10)."""
+    it."""
     from stratagem._rendezvous import is_loopback
 
     return _single_node(args) and is_loopback(args.master_addr or "127.0.0.1")
@@ -303,8 +303,7 @@ TLS). See docs/reliability.md, "Network exposure"."""
 
 def network_env(args: argparse.Namespace, env: dict[str, str]) -> str | None:
     """Check the addresses of a job and pin its collectives to the right interface (in
-    ``env``); returns an error message (exit 2) or None. Issue 10 for one node, issue 12 for
-    several."""
+    ``env``); returns an error message (exit 2) or None, for one node and for several."""
     from stratagem._rendezvous import (
         interface_env,
         interface_of_address,
@@ -325,7 +324,7 @@ def network_env(args: argparse.Namespace, env: dict[str, str]) -> str | None:
                     "be reachable from the network for nothing. Fix: omit --master-addr (the "
                     "job then listens on 127.0.0.1 only), or pass --nnodes N --node-rank R for "
                     "a multi-node job")
-        env.update(loopback_env(env))  # issue 10: gloo/NCCL listen on loopback, not the LAN
+        env.update(loopback_env(env))  # Gloo/NCCL listen on loopback, not the LAN
         return None
     if args.rdzv_backend is not None:
         print(f"stratagem run: warning: --rdzv-backend {args.rdzv_backend} uses torch's own "
@@ -454,7 +453,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_fault_tolerant(args: argparse.Namespace, env: dict[str, str]) -> int:
     """``stratagem run --fault-tolerant``: the workers run under :func:`stratagem.launch`'s
     supervisor (not torchrun, which restarts every worker when one fails), each a replica of
-    its own; a dead one is restarted alone and heals from a live peer (issue 22). On several
+    its own; a dead one is restarted alone and heals from a live peer. On several
     nodes each node's launcher is :func:`stratagem.launcher.launch_node` (node 0 hosts the
     store on --master-addr:--master-port and the quorum service on the next port)."""
     from stratagem.errors import WorkerError

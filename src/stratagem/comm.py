@@ -462,7 +462,7 @@ class Comm:
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         base: dist.Store
         if rank == 0 and not agent_store:
-            # Issues 10 and 12: rank 0 hosts the store itself on MASTER_ADDR only; torch's
+            # Rank 0 hosts the store itself on MASTER_ADDR only; torch's
             # TCPStore would listen on every interface (on one machine every peer is on
             # loopback; on several, they reach node 0's address on their shared network).
             base = bound_tcp_store(host, port, world_size=world_size,

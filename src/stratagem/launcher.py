@@ -2,7 +2,7 @@
 
 The parent process hosts the c10d ``TCPStore`` (like torchrun's agent store) so the store
 outlives any worker; workers find it through the usual environment variables and connect as
-clients. The store listens on 127.0.0.1 only (issue 10: torch's own ``TCPStore`` would listen
+clients. The store listens on 127.0.0.1 only (torch's own ``TCPStore`` would listen
 on every interface, unauthenticated; see :mod:`stratagem._rendezvous`), and the workers'
 collective backends are pinned to the loopback interface, so a job started here cannot be
 reached from other machines. Results come back as bytes written with the standard :mod:`pickle` (real copies of
@@ -20,7 +20,7 @@ values torchrun's agent sets (``torch.distributed.elastic.agent.server.local_ela
     set, and only with a loopback MASTER_ADDR), and with parameter-server shards
     STRATAGEM_PS_ADDRS=host:port,... and STRATAGEM_NUM_PS=K.
 
-Simulated nodes (issue 12): ``launch(fn, nprocs=N, nnodes=K)`` numbers the workers as torchrun
+Simulated nodes: ``launch(fn, nprocs=N, nnodes=K)`` numbers the workers as torchrun
 does on K machines of N/K processes each: worker ``r`` is local rank ``r % (N/K)`` of node
 ``r // (N/K)`` (torchrun assigns global ranks node by node, in node-rank order). Only the
 environment differs from one node; every process still runs here and talks over loopback, which
@@ -149,7 +149,7 @@ def worker_env(*, rank: int, world_size: int, master_port: int,
         # N busy processes on a few cores: one intra-op thread each avoids oversubscription.
         env["OMP_NUM_THREADS"] = "1"
     if is_loopback(master_addr):
-        # Issue 10: gloo (and NCCL's bootstrap) would otherwise listen on the address the host
+        # Gloo (and NCCL's bootstrap) would otherwise listen on the address the host
         # name resolves to, usually a LAN address, though every peer is on this machine.
         env.update(loopback_env(base))
     if ps_addrs:
@@ -504,7 +504,7 @@ class _Supervisor:
         self.procs.append(proc)
 
     def restart(self, rank: int, proc: BaseProcess, reader: Connection) -> None:
-        """Issue 6: replace the failed worker ``rank`` by a new process (restart="failed")."""
+        """Replace the failed worker ``rank`` by a new process (restart="failed")."""
         old = self.procs[rank]
         if old.exitcode is None and old.pid is not None:
             _kill_tree(old.pid, signal.SIGKILL)
@@ -654,7 +654,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     runs longer than ``timeout`` seconds everything is stopped and ``WorkerError`` is raised.
     A ``KeyboardInterrupt`` in the caller also stops every worker before propagating.
 
-    Restarts (issue 6; off by default): with ``max_restarts=N`` a failure is retried instead
+    Restarts (off by default): with ``max_restarts=N`` a failure is retried instead
     of raised. ``restart="all"`` (like torchrun) stops every worker and starts the whole group
     again, at most N times in total; ``restart="failed"`` starts again only the worker that
     failed, at most N times per rank, while the others keep running — for asynchronous
@@ -662,7 +662,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
     parameter-server shards). Each attempt sees its number in ``TORCHELASTIC_RESTART_COUNT``
     (per rank with ``"failed"``). When the budget is spent the failure is raised as above.
 
-    Fault tolerance (issue 22): ``fault_tolerant=True`` starts the quorum service (torchft's
+    Fault tolerance: ``fault_tolerant=True`` starts the quorum service (torchft's
     Lighthouse, on loopback) and a job secret, makes each worker a replica of its own (a
     strategy built in it with the default ``fault_tolerant=None`` turns fault tolerance on:
     ``Mirrored``, ``LocalSGD``, ``DiLoCo``), and restarts a dead worker alone
@@ -700,7 +700,7 @@ def launch(fn: Callable[..., Any], nprocs: int, num_ps: int = 0, args: tuple[Any
                      "process group)")
     check_nnodes(nprocs, nnodes)
     _check_picklable_target(fn)
-    # Issue 23: a strategy named in the workers' environment is built here first, so a bad
+    # A strategy named in the workers' environment is built here first, so a bad
     # argument raises once in the caller instead of in every worker.
     from stratagem._argcheck import check_launch_env
 
@@ -782,7 +782,7 @@ def _job_store(node: FTNode | None) -> Any:
     or a client of node 0's (the other nodes)."""
     if node is None:
         # Port 0 lets the OS pick a free port with no race; the store lives as long as the
-        # launch and listens on loopback only (issue 10).
+        # launch and listens on loopback only.
         return loopback_tcp_store(_MASTER_ADDR, 0, timeout=timedelta(seconds=60))
     if node.node_rank == 0:
         return bound_tcp_store(node.master_addr, node.master_port,
@@ -865,7 +865,7 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
                               ps_addrs=shards.addresses if shards else (), base=base,
                               nnodes=nnodes, max_restarts=max_restarts)
             if shards is not None:
-                wenv.update(shards.env())  # the shards' token file (issue 11)
+                wenv.update(shards.env())  # the shards' token file
             wenv.update(env or {})
             if fault_tolerant:
                 from .ft.launch import worker_env as ft_env
@@ -882,7 +882,7 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
 
                     wenv.update({GROUP_RANK_ENV: str(rank % group),
                                  GROUP_SIZE_ENV: str(group)})
-            wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # issue 6: restarts
+            wenv["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # Restarts
             return wenv
 
         # Fault tolerant: warm spares (torch imported, waiting) take dead workers' places at
@@ -914,7 +914,7 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
         sup = _Supervisor(offset)
         for rank in range(nprocs):
             sup.add(*start(rank, 0))
-        # Issue 6: restart budget (total for "all", per rank for "failed").
+        # Restart budget (total for "all", per rank for "failed").
         attempts = [0] * nprocs
         last: dict[int, str] = {}
         ended: set[int] = set()
@@ -951,13 +951,13 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
                     store.set(_FT_FINISHED, "1")
             if failure is None:
                 continue
-            # Issue 6: restarts. Every rank that exited without a result has failed.
+            # Restarts. Every rank that exited without a result has failed.
             dead = sorted(r for r in sup.exited if r not in sup.results)
             if node is not None and not finished:
                 with contextlib.suppress(Exception):
                     finished = bool(store.check([_FT_FINISHED]))
             if fault_tolerant and (sup.results or finished):
-                # Issue 22: a replica has finished training, so the job is over; a replica lost
+                # A replica has finished training, so the job is over; a replica lost
                 # now has nothing left to train (its peers hold the final model) and a
                 # replacement would find nobody to heal from.
                 for r in dead:

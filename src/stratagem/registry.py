@@ -67,7 +67,7 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   {"momentum": 0.9}),
     StrategyEntry("LocalSGD", "local_sgd", "stratagem.strategies.local_sgd", "LocalSGD"),
     StrategyEntry("DiLoCo", "diloco", "stratagem.strategies.local_sgd", "DiLoCo"),
-    # Issue 12 / 13, landing from other branches: listed once their module exists.
+    # Landing from other branches: listed once their module exists.
     StrategyEntry("Hierarchical", "hierarchical", "stratagem.strategies.hierarchical",
                   "Hierarchical"),
     StrategyEntry("Sharded", "sharded", "stratagem.strategies.sharded", "Sharded"),

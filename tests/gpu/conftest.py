@@ -1,4 +1,4 @@
-"""``tests/gpu``: checks that need a CUDA device (issue 23), run by ``make test-gpu``
+"""``tests/gpu``: checks that need a CUDA device, run by ``make test-gpu``
 (``PYTHONPATH=src python3 -m pytest tests/gpu`` with a CUDA build of torch already installed:
 no install step).
 

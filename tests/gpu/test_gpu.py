@@ -1,4 +1,4 @@
-"""The CUDA paths (issue 23), for the day a GPU is there: ``make test-gpu``.
+"""The CUDA paths, for the day a GPU is there: ``make test-gpu``.
 
 - ``OneDevice`` on CUDA: fp16 with dynamic loss scaling (a non-finite step skipped, the scale
   halved then grown), bf16 autocast, fp32 equal to the CPU run; batches moved to the device.

@@ -1,4 +1,4 @@
-"""A hostile client next to a good one (issue 11): the shard stays available, bounded and finite.
+"""A hostile client next to a good one: the shard stays available, bounded and finite.
 
 Each test runs a misbehaving client and checks (1) the refusal names the constraint and
 (2) a good client on the same shard is still served (within 5 s, where a blocked one would

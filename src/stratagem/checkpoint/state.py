@@ -466,7 +466,7 @@ def restore(strategy: Strategy, path: str | os.PathLike[str], **state: Any) -> d
             if not isinstance(opt_state, dict):
                 raise CheckpointError(f"{directory / name} holds a {type(opt_state).__name__}, "
                                       f"not an optimizer state dict. {CORRUPT_FIX}")
-            check_optimizer_state(obj, opt_state, f"{directory}: {key!r}")  # issue 25
+            check_optimizer_state(obj, opt_state, f"{directory}: {key!r}")
             try:
                 strategy.load_optimizer_state(obj, opt_state)
             except (KeyError, TypeError, ValueError, IndexError) as exc:

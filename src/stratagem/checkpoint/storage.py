@@ -61,7 +61,7 @@ _OWNER_FIX = ("Fix: remove it (check first what it holds) or choose another path
 def check_owner(st: os.stat_result, what: str) -> None:
     """Refuse a checkpoint directory, member or link that another user controls: owned by
     anyone but this user (or root), or (not a link) writable by its group or others. Another
-    user who can write there can swap what a restore loads (issue 25: a pre-created
+    user who can write there can swap what a restore loads (a pre-created
     ``.ck.versions`` of mode 0777 in ``/tmp``)."""
     if not hasattr(os, "geteuid"):
         return  # no POSIX owners on this platform

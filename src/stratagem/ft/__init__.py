@@ -1,4 +1,4 @@
-"""Fault-tolerant synchronous training on torchft (issue 22): jobs that keep training through
+"""Fault-tolerant synchronous training on torchft: jobs that keep training through
 lost replicas and heal a returning one live from a peer, with nothing unpickled.
 
 - :mod:`stratagem.ft.comm`: :class:`FaultTolerantComm`, the Comm every part already talks

@@ -11,7 +11,7 @@ contiguous groups of parameters synchronised on staggered steps; parameters outs
 fragment being synchronised have no gradient, so the outer optimizer leaves them (and their
 state) untouched.
 
-On slow links (issue 24): ``compression="int8"|"int4"`` quantizes the pseudo-gradient
+On slow links: ``compression="int8"|"int4"`` quantizes the pseudo-gradient
 blockwise (:mod:`stratagem.quantize`; all-reduced by :meth:`Comm.all_reduce_quantized`, as
 INTELLECT-1 does with int8, Jaghouar et al. 2024) with error feedback (Seide et al. 2014;
 Karimireddy et al. 2019): each replica keeps what its quantizations dropped and adds it to the

@@ -226,7 +226,7 @@ class ParameterServerLink(Part):
         prepared.state[self.name] = st
         if by_key:
             # The chief registers its initial weights; the others wait for them and pull, so
-            # a run does not depend on which worker registered first (issue 11). A worker
+            # a run does not depend on which worker registered first. A worker
             # (re)starting later gets the current values either way, and pushes nothing
             # before it has them.
             values = table.join(register=self.owner.is_chief, timeout=self.timeout)

@@ -16,7 +16,7 @@ One :class:`Slot` per tensor holds its value, version, optimizer and lock. The r
   restored from a checkpoint is checked against the optimizer's layout; nothing non-finite
   gets in (a NaN would spread to every worker).
 
-Finite in, finite kept (issue 25): finite values can still overflow what is stored, so the
+Finite in, finite kept: finite values can still overflow what is stored, so the
 decision is taken on what will be stored, not only on what arrived. A gradient or exchanged
 value is checked *after* its cast to the tensor's dtype (1e5 is finite in fp32, ``inf`` in
 fp16); sync gradients are summed in float64; an optimizer step is checked before it is

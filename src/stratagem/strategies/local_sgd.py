@@ -46,7 +46,7 @@ class LocalSGD(Strategy):
     every worker counts the same local steps.
 
     Arguments: ``period`` (int >= 1), ``warmup_steps`` (int >= 0), ``compression`` (None,
-    "bf16", "fp16", "int8", "int4" or "topk[:DENSITY+intBITS]"; issue 24), plus the common
+    "bf16", "fp16", "int8", "int4" or "topk[:DENSITY+intBITS]"), plus the common
     strategy arguments.
 
     ``compression``: what crosses the wire at an average. The parameters themselves are not

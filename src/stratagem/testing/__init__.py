@@ -52,7 +52,7 @@ def run_ranks(
     On failure the first rank's exception is re-raised (with the rank in its notes); a rank
     still running after ``timeout`` seconds raises ``TimeoutError`` instead of hanging.
     """
-    # Loopback only (issue 10): torch's own master store would listen on every interface.
+    # Loopback only: torch's own master store would listen on every interface.
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1 \
             or world_size % nnodes:
         raise ValueError(f"nnodes must be an int >= 1 dividing world_size={world_size}, got "

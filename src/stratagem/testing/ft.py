@@ -1,4 +1,4 @@
-"""Fault-tolerant replicas as threads, with declared faults (issue 22).
+"""Fault-tolerant replicas as threads, with declared faults.
 
 ``run_replicas(fn, n)`` starts a quorum service (torchft's Lighthouse protocol, for members with the job's secret, on loopback) and calls
 ``fn(comm, slot)`` on ``n`` threads, each with a :class:`~stratagem.ft.comm.FaultTolerantComm`

@@ -1,6 +1,6 @@
 """Network namespaces as machines: a bridge, one namespace per node (or worker), ``tc tbf`` caps.
 
-Used by the multi-node tests (issue 12: ``stratagem run --nnodes K --node-rank i`` in each
+Used by the multi-node tests (``stratagem run --nnodes K --node-rank i`` in each
 namespace, the processes of a node sharing its namespace) and by the benchmarks that need
 shaped links (``benchmarks/convergence.py``, ``lm.py``, ``hierarchical.py``). Topology, all on
 a private subnet (nothing is routed anywhere else)::

@@ -1,4 +1,4 @@
-"""Hostile parameter-server clients, part II (issue 25): finite poisoning, bloat, careless clients.
+"""Hostile parameter-server clients: finite poisoning, bloat, careless clients.
 
 Each shard-side test runs the hostile client next to a good one and checks that the good one
 is served within ``GOOD_BOUND`` (1 s) throughout; poisoning tests also check that the shared
