@@ -1,4 +1,4 @@
-"""Async chaos (issue 6): EASGD async (or ``--strategy ps-async``) with 4 workers on MNIST-5k, one worker SIGKILLed about
+"""Async chaos: EASGD async (or ``--strategy ps-async``) with 4 workers on MNIST-5k, one worker SIGKILLed about
 every ``--kill-every`` seconds and restarted alone by ``sg.launch(restart="failed")``; the
 final center accuracy is compared with a fault-free run of the same job.
 

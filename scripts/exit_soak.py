@@ -1,4 +1,4 @@
-"""Exit soak (issue 10): many short 2-process jobs under every strategy, counting the jobs
+"""Exit soak: many short 2-process jobs under every strategy, counting the jobs
 that end abnormally — above all a worker that finishes its work and then dies at exit
 (SIGABRT, "terminate called without an active exception").
 

@@ -1,4 +1,4 @@
-"""Kill during save (issue 6): SIGKILL a process that saves a few-MB model in a loop, at
+"""Kill during save: SIGKILL a process that saves a few-MB model in a loop, at
 random instants, and check that the newest intact checkpoint always loads and equals one of
 the saved versions.
 

@@ -1,4 +1,4 @@
-"""Stall soak (issue 11, "done when"): one connection holds 32+ stalled streams while a good
+"""Stall soak ("done when"): one connection holds 32+ stalled streams while a good
 client keeps calling; every good call must complete in under 1 s, for 60 s.
 
 The shard runs as a process of its own (``python -m stratagem.ps.server``, token on). The
