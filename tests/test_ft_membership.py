@@ -324,3 +324,33 @@ def test_idle_unauthenticated_connections_do_not_lock_members_out() -> None:
             s.close()
         client.close()
         server.close()
+
+
+def test_the_launcher_can_forget_the_ids_of_reaped_replicas() -> None:
+    """A restarted replica group takes a fresh id; its launcher forgets the old one once its
+    processes are reaped, so the survivors' quorum forms at once instead of waiting for the
+    dead heartbeat to age out."""
+    key = MemberKey(SECRET)
+    service = VerifiedQuorumService(bind="127.0.0.1:0", token=SECRET, min_replicas=1,
+                                    join_timeout_ms=5_000, quorum_tick_ms=20,
+                                    heartbeat_timeout_ms=5_000)
+    servers = []
+    try:
+        alive, dead = key.replica_id("slot0:a"), key.replica_id("slot1:b")
+        for rid in (alive, dead):
+            servers.append(_server(key, service, rid))
+        time.sleep(0.3)  # both heartbeat: a quorum of one would wait for the other
+        assert service.ids_of("slot1:") == {dead}
+        servers[1].shutdown()  # the group died; its heartbeat would count for 5 s
+        service.evict(service.ids_of("slot1:"))
+        t0 = time.monotonic()
+        quorum = _ask(servers[0], key.sign({"id": "g", "store": "127.0.0.1:9",
+                                            "global_rank": None},
+                                           _claim(alive, address=servers[0].address())))
+        assert list(quorum.replica_ids) == [alive]
+        assert time.monotonic() - t0 < 2.0  # not the 5 s join timeout
+        assert service.ids_of("slot1:") == set()
+    finally:
+        for server in servers[:1]:
+            server.shutdown()
+        service.shutdown()

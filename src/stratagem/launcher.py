@@ -988,6 +988,12 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
                 if group > 1:  # one life number for every process of a restarted group
                     for r in dead:
                         attempts[r] = max(attempts[m] for m in dead if m // group == r // group)
+                # A restarted replica group takes a fresh replica id: the ids its old processes
+                # were heard under are forgotten once they are reaped, so the survivors' next
+                # quorum does not wait for those heartbeats to age out (quorum service on this
+                # launcher only; across nodes, the heartbeat timeout).
+                gone = (set().union(*(quorum.replica_ids((offset + r) // group) for r in dead))
+                        if group > 1 and quorum is not None else set())
                 for r in dead:
                     attempts[r] += 1
                     # Say why: a worker restarted in silence hides the bug that kills it.
@@ -999,6 +1005,8 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
                     print(f"stratagem: {why}; restarting worker {offset + r} {alone} (restart "
                           f"{attempts[r]} of {max_restarts})", file=sys.stderr, flush=True)
                     sup.restart(r, *start(r, attempts[r]))
+                if gone:
+                    quorum.forget(gone)
                 continue
             if restart == "all" and attempts[0] < max_restarts:
                 attempts[0] += 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import mmap
 import os
 import re
 import stat
@@ -174,7 +175,7 @@ def _header_limit(size: int) -> int:
     return min(MAX_HEADER_BYTES, room, max(_HEADER_BASE_BYTES, proportional))
 
 
-def check_header(data: bytes | bytearray, what: str, size: int | None = None) -> dict[str, Any]:
+def check_header(data: bytes | bytearray | mmap.mmap, what: str, size: int | None = None) -> dict[str, Any]:
     """Validate the safetensors header of ``data`` (a whole file's bytes, or with ``size`` the
     file's first bytes, header included) without trusting it. Returns the parsed header;
     raises ``CheckpointError`` before anything proportional to what the header claims is

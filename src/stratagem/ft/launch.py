@@ -104,6 +104,15 @@ class QuorumService:
                           min_replicas=self.min_replicas, token_file=self.token_file,
                           host=self.host)
 
+    def replica_ids(self, slot: int) -> set[str]:
+        """The ids replica (group) ``slot`` has been heard under."""
+        return self._server.ids_of(f"slot{slot}:")
+
+    def forget(self, ids: set[str]) -> None:
+        """Forget ``ids`` of replicas the launcher knows are dead (see
+        :meth:`~stratagem.ft.quorum.VerifiedQuorumService.evict`)."""
+        self._server.evict(ids)
+
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self._server.shutdown()

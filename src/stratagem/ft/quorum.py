@@ -76,6 +76,7 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
     while i < len(buf):
         key, i = _varint(buf, i)
         number, wire = key >> 3, key & 7
+        value: Any
         if wire == 0:
             value, i = _varint(buf, i)
         elif wire == 2:
@@ -246,6 +247,21 @@ class VerifiedQuorumService:
             self._cond.notify_all()
         self._server.stop(grace=0.5).wait(5.0)
         self._ticker.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ the launcher's word
+    def ids_of(self, base: str) -> set[str]:
+        """The replica ids heard from whose base starts with ``base`` (e.g. ``"slot3:"``)."""
+        with self._cond:
+            return {rid for rid in self._heartbeats if rid.startswith(base)}
+
+    def evict(self, ids: set[str]) -> None:
+        """Forget ``ids`` now (their processes are known dead: the launcher reaped them), so
+        the next quorum does not wait for their heartbeats to age out."""
+        with self._cond:
+            for rid in ids:
+                self._heartbeats.pop(rid, None)
+                self._participants.pop(rid, None)
+            self._tick_locked(time.monotonic())
 
     # ------------------------------------------------------------------ rpcs
     def _heartbeat_rpc(self, request: bytes, context: Any) -> bytes:

@@ -218,11 +218,11 @@ class MemberStoreServer:
             if op == _CAS:
                 n = min(arg, len(value))
                 expected, desired = value[:n], value[n:]
-                current = self._data.get(key)
-                if (current is None and expected == b"") or current == expected:
+                held = self._data.get(key)
+                if (held is None and expected == b"") or held == expected:
                     status = self._put(key, desired)
                     return status, desired, 0
-                return _OK, (current if current is not None else expected), 0
+                return _OK, (held if held is not None else expected), 0
             if op == _DELETE:
                 old = self._data.pop(key, None)
                 if old is not None:

@@ -147,7 +147,7 @@ class _Deadline:
         sock.settimeout(remaining)
 
 
-def _recv_exact(sock: socket.socket, buf: bytearray | memoryview, deadline: _Deadline,
+def _recv_exact(sock: socket.socket, buf: bytearray | memoryview | mmap.mmap, deadline: _Deadline,
                 what: str) -> None:
     view = memoryview(buf)
     got = 0
@@ -241,7 +241,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-def _tensors_from(buf: bytearray, what: str) -> dict[str, torch.Tensor]:
+def _tensors_from(buf: bytearray | mmap.mmap, what: str) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors blob in ``buf``, as views of ``buf`` (no copy: a heal
     is the transfer torchft waits on). Every entry's dtype, shape and byte range were checked
     against the blob by ``check_header`` first (the same check ``restore`` applies before
@@ -344,9 +344,9 @@ class SafeHealTransport(CheckpointTransport[dict[str, Any]]):
         except OSError:
             self._sock.close()
             raise
-        bound = self._sock.getsockname()
-        self._address = (f"[{bound[0]}]:{bound[1]}" if family == socket.AF_INET6
-                         else f"{bound[0]}:{bound[1]}")
+        name = self._sock.getsockname()
+        self._address = (f"[{name[0]}]:{name[1]}" if family == socket.AF_INET6
+                         else f"{name[0]}:{name[1]}")
         self._thread = threading.Thread(target=self._serve, name=f"heal-server {self._address}",
                                         daemon=True)
         self._thread.start()

@@ -508,7 +508,7 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
 
     group = _BoundGloo(timeout=timeout)
     # The rendezvous store this member hosts serves members only (stratagem.ft.store).
-    group._rendezvous_store = MemberStoreServer(host, store_key(key))
+    group._rendezvous_store = MemberStoreServer(host, store_key(key))  # type: ignore[assignment]
     return group
 
 
