@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,3 +115,79 @@ def shard_grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     """Gradients shaped like ``params``, reproducible per ``seed``."""
     g = torch.Generator().manual_seed(1000 + seed)
     return {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+
+
+class ProcShard:
+    """A parameter-server shard in a process of its own (its own interpreter, GIL, RSS and
+    CPU time, as in a real job), started at once; :meth:`wait` for its address."""
+
+    def __init__(self, tmp: Path, *extra: str, token: str) -> None:
+        import os
+        import subprocess
+        import sys
+
+        from stratagem.launcher import child_pythonpath
+
+        tok, self.port_file = tmp / "token", tmp / "port"
+        tmp.mkdir(parents=True, exist_ok=True)
+        tok.write_text(token)
+        tok.chmod(0o600)
+        self.token = token
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env["PYTHONPATH"] = child_pythonpath(env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stratagem.ps.server", "--port-file", str(self.port_file),
+             "--token-file", str(tok), *extra], env=env, stderr=subprocess.DEVNULL)
+        self.address = ""
+
+    def wait(self) -> ProcShard:
+        import time
+
+        deadline = time.monotonic() + 180  # a loaded machine imports torch slowly
+        while not (self.port_file.exists() and self.port_file.read_text().strip()):
+            assert self.proc.poll() is None and time.monotonic() < deadline, "shard start"
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{int(self.port_file.read_text())}"
+        return self
+
+    def cpu(self) -> float:
+        """Seconds of CPU (user + system) the shard process has used."""
+        import os
+        from pathlib import Path
+
+        text = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        fields = text[text.rfind(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss(self) -> tuple[int, int]:
+        """(VmRSS, VmHWM) in bytes."""
+        from pathlib import Path
+
+        f = dict(line.split(":", 1) for line in Path(f"/proc/{self.proc.pid}/status")
+                 .read_text().splitlines() if ":" in line)
+        return int(f["VmRSS"].split()[0]) * 1024, int(f["VmHWM"].split()[0]) * 1024
+
+    def reset_peak(self) -> bool:
+        from pathlib import Path
+
+        try:
+            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+            return True
+        except OSError:
+            return False
+
+    def health(self) -> dict:
+        from stratagem.ps.transport import PSClient
+
+        with PSClient([self.address], token=self.token, timeout=10) as c:
+            return c.health()[0]
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)

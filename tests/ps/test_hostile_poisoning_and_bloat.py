@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -21,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ProcShard
 
-from stratagem.launcher import child_pythonpath
 from stratagem.ps import addresses as ps_addresses
 from stratagem.ps import wire
 from stratagem.ps.auth import read_token_file
@@ -225,63 +223,15 @@ def test_a_learning_rate_of_1e30_is_refused(shard, good, op) -> None:
 
 # -- 5. stalling or bloating a shard ------------------------------------------------------
 
-class ProcShard:
-    """A shard in a process of its own (its own interpreter and GIL, as in a real job)."""
-
-    def __init__(self, tmp: Path, *extra: str) -> None:
-        tok, self.port_file = tmp / "token", tmp / "port"
-        tok.write_text(TOKEN)
-        tok.chmod(0o600)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env["PYTHONPATH"] = child_pythonpath(env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stratagem.ps.server", "--port-file", str(self.port_file),
-             "--token-file", str(tok), *extra], env=env, stderr=subprocess.DEVNULL)
-        self.address = ""
-
-    def wait(self) -> ProcShard:
-        deadline = time.monotonic() + 180  # a loaded machine imports torch slowly
-        while not (self.port_file.exists() and self.port_file.read_text().strip()):
-            assert self.proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(self.port_file.read_text())}"
-        return self
-
-    def rss(self) -> tuple[int, int]:
-        """(VmRSS, VmHWM) in bytes."""
-        f = dict(line.split(":", 1) for line in Path(f"/proc/{self.proc.pid}/status")
-                 .read_text().splitlines() if ":" in line)
-        return int(f["VmRSS"].split()[0]) * 1024, int(f["VmHWM"].split()[0]) * 1024
-
-    def reset_peak(self) -> bool:
-        try:
-            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
-            return True
-        except OSError:
-            return False
-
-    def health(self) -> dict:
-        with PSClient([self.address], token=TOKEN, timeout=10) as c:
-            return c.health()[0]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
 @pytest.fixture(scope="module")
 def procs() -> Iterator[dict[str, ProcShard]]:
-    tmp = Path(tempfile.mkdtemp(prefix="stratagem-hostile25-"))
+    tmp = Path(tempfile.mkdtemp(prefix="stratagem-hostile-bloat-"))
     (tmp / "a").mkdir()
     (tmp / "b").mkdir()
     # a: the quota and in-flight bound of the bloat cases; b: a small quota for tiny slots.
     shards = {"a": ProcShard(tmp / "a", "--max-bytes", str(64 * MiB), "--max-message-bytes",
-                             str(64 * MiB), "--max-inflight-bytes", str(40 * MiB)),
-              "b": ProcShard(tmp / "b", "--max-bytes", str(2 * MiB))}
+                             str(64 * MiB), "--max-inflight-bytes", str(40 * MiB), token=TOKEN),
+              "b": ProcShard(tmp / "b", "--max-bytes", str(2 * MiB), token=TOKEN)}
     try:
         yield {k: v.wait() for k, v in shards.items()}
     finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ProcShard
 from helpers import shard_grads as _grads
 from helpers import shard_params as _params
 
@@ -41,43 +42,6 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < due, what
         time.sleep(0.05)
-
-
-class _ProcShard:
-    """A shard in a process of its own: its CPU time is read from /proc."""
-
-    def __init__(self, tmp: Path) -> None:
-        tok, port = tmp / "token", tmp / "port"
-        tok.write_text(TOKEN)
-        tok.chmod(0o600)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env["PYTHONPATH"] = child_pythonpath(env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stratagem.ps.server", "--port-file", str(port),
-             "--token-file", str(tok)], env=env, stderr=subprocess.DEVNULL)
-        self.port_file = port
-        self.address = ""
-
-    def wait(self) -> None:
-        deadline = time.monotonic() + 180  # a loaded machine imports torch slowly
-        while not (self.port_file.exists() and self.port_file.read_text().strip()):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "shard start"
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(self.port_file.read_text())}"
-
-    def cpu(self) -> float:
-        """Seconds of CPU (user + system) the shard process has used."""
-        text = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        fields = text[text.rfind(")") + 2:].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 class _Good:
@@ -155,7 +119,8 @@ def test_doorbells_wired_into_each_other_cost_the_shard_nothing(tmp_path: Path) 
     is not what is measured here."""
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
-    shards = [_ProcShard(tmp_path / "x"), _ProcShard(tmp_path / "y")]  # started together
+    shards = [ProcShard(tmp_path / "x", token=TOKEN),  # started together
+              ProcShard(tmp_path / "y", token=TOKEN)]
     clients: list[PSClient] = []
     goods: list[_Good] = []
     fds: list[int] = []

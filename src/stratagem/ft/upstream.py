@@ -301,6 +301,16 @@ def check_contract() -> list[str]:
     return problems_for(None)
 
 
+def _require(feature: str, what: str) -> None:
+    """Raise :class:`TorchftContractError` (``what``, the fix, then each broken reliance of
+    ``feature`` by its symbol) when the installed torchft lacks what ``feature`` relies on."""
+    problems = problems_for(feature)
+    if problems:
+        raise TorchftContractError(
+            f"{what} Fix: install the torchft version stratagem is tested with (pyproject's "
+            "[ft] extra). " + "; ".join(problems))
+
+
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -334,12 +344,9 @@ def manager_server_on(host: str, replica_id: str | None = None) -> Iterator[Serv
     one it is given). Holds a lock: one manager is built at a time. Raises
     :class:`TorchftContractError` naming the symbol when the installed torchft lacks what
     this relies on (the server would listen on every interface)."""
-    problems = problems_for(MANAGER_SERVER)
-    if problems:
-        raise TorchftContractError(
-            "cannot bind torchft's manager server to one host with the installed torchft "
-            "(it would listen on every interface). Fix: install the torchft version "
-            "stratagem is tested with (pyproject's [ft] extra). " + "; ".join(problems))
+    _require(MANAGER_SERVER,
+             "cannot bind torchft's manager server to one host with the installed torchft (it "
+             "would listen on every interface).")
     import torchft.manager as tm
 
     with _MANAGER_LOCK:
@@ -457,12 +464,9 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
     manager exists) and its proof. Raises :class:`TorchftContractError` naming the symbol
     when the installed torchft lacks what this relies on (its store would listen on every
     interface)."""
-    problems = problems_for(GLOO_STORE)
-    if problems:
-        raise TorchftContractError(
-            "cannot bind the gloo group's rendezvous store to one host with the installed "
-            "torchft (it would listen on every interface). Fix: install the torchft version "
-            "stratagem is tested with (pyproject's [ft] extra). " + "; ".join(problems))
+    _require(GLOO_STORE,
+             "cannot bind the gloo group's rendezvous store to one host with the installed "
+             "torchft (it would listen on every interface).")
     from torchft import ProcessGroupGloo
 
     class _BoundGloo(ProcessGroupGloo):  # type: ignore[misc]
@@ -543,12 +547,9 @@ def _member_store_clients(key: Any) -> Iterator[None]:
     the secret and torchft's own prefix) instead of a ``TCPStore``. Several replicas of one
     process (tests) reconfigure at once: the replacement is installed while any is open and
     picks the key of its own thread."""
-    problems = problems_for(GLOO_STORE)
-    if problems:
-        raise TorchftContractError(
-            "cannot give the replicas' process group a members-only rendezvous store with the "
-            "installed torchft. Fix: install the torchft version stratagem is tested with "
-            "(pyproject's [ft] extra). " + "; ".join(problems))
+    _require(GLOO_STORE,
+             "cannot give the replicas' process group a members-only rendezvous store with the"
+             " installed torchft.")
     import torchft.process_group as tpg
 
     with _STORE_LOCK:
@@ -571,12 +572,8 @@ def _member_store_clients(key: Any) -> Iterator[None]:
 def manager_identity(store: Any) -> tuple[str, str]:
     """(replica id, manager server address) that torchft published in a replica group's
     ``store`` (a client of the store torchft's Manager was given)."""
-    problems = problems_for(MEMBERSHIP)
-    if problems:
-        raise TorchftContractError(
-            "cannot prove this replica's membership with the installed torchft. Fix: install "
-            "the torchft version stratagem is tested with (pyproject's [ft] extra). "
-            + "; ".join(problems))
+    _require(MEMBERSHIP,
+             "cannot prove this replica's membership with the installed torchft.")
     import torchft.manager as tm
 
     return (store.get(tm.REPLICA_ID_KEY).decode("utf-8"),
@@ -614,12 +611,9 @@ def verify_quorums(manager: Any, key: Any, vote: Any) -> None:
     the group's errors, the step's bookkeeping) but its vote across the replica group's
     processes is ``vote(local_ok, timeout) -> bool``, taken over the group's own process
     group: torchft's manager server counts votes from any process that connects."""
-    problems = problems_for(MEMBERSHIP)
-    if problems:
-        raise TorchftContractError(
-            "cannot check the quorums this replica is given with the installed torchft (a "
-            "member without the job's secret would go unnoticed). Fix: install the torchft "
-            "version stratagem is tested with (pyproject's [ft] extra). " + "; ".join(problems))
+    _require(MEMBERSHIP,
+             "cannot check the quorums this replica is given with the installed torchft (a "
+             "member without the job's secret would go unnoticed).")
 
     def check(result: Any) -> None:
         key.check_quorum(replica_ids=list(result.replica_ids),
