@@ -98,13 +98,16 @@ def _check_number(name: str, value: Any, low: float | None, high: float | None, 
     constraint = f"{kind} {_interval(low, high, low_open, high_open)}".rstrip()
     if optional:
         constraint = f"None or {constraint}"
-    ok = _is_number(value) and not math.isnan(value)
-    if ok and finite:
-        ok = math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
+    try:
+        ok = _is_number(value) and not math.isnan(value)
+        if ok and finite:
+            ok = math.isfinite(value)
+        if ok and low is not None:
+            ok = value > low if low_open else value >= low
+        if ok and high is not None:
+            ok = value < high if high_open else value <= high
+    except OverflowError:  # an int beyond float range (a hostile JSON field, say)
+        ok = False
     if not ok:
         raise _fail(name, constraint, value, fix)
     return float(value)

@@ -302,7 +302,7 @@ def test_a_chunked_body_that_stops_is_cut_and_gives_back_its_admission() -> None
         finally:
             release.set()
             channel.close()
-        assert server._receiving_bytes == 0 and server._inflight_bytes == 0
+        assert server.admission.receiving_bytes == 0 and server.admission.inflight_bytes == 0
         client = PSClient([server.address], token=TOKEN, timeout=10)
         try:
             table = ShardedParameters(client, {"w": torch.zeros(3 * MiB // 4)},
@@ -631,7 +631,7 @@ def test_a_failing_slot_logs_one_line_not_a_traceback_per_push(shard, good, capl
     def boom(*args: Any, **kwargs: Any) -> None:
         raise KeyError("exp_avg")
 
-    shard._slots["broken"].optimizer.step = boom  # type: ignore[union-attr,method-assign]
+    shard.service.slots["broken"].optimizer.step = boom  # type: ignore[union-attr,method-assign]
     for _ in range(20):
         with pytest.raises(RemoteError, match="KeyError") as info:
             table.push({"broken": torch.ones(3)})

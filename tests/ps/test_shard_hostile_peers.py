@@ -209,9 +209,9 @@ def test_two_shards_wired_into_each_other_close_both_doorbells_unanswered() -> N
                                             "fetch": []})
             os.write(p1w, len(push).to_bytes(4, "little") + push)
             # s1 answers into s2's request pipe; s2 closes that doorbell unanswered.
-            _wait(lambda: not s2._regions and s2._bells == 0, "s2's doorbell closed", 5.0)
+            _wait(lambda: not s2.shm.regions and s2.shm.bells == 0, "s2's doorbell closed", 5.0)
             time.sleep(0.5)
-            assert s1._regions and s1._bells == 1  # s1 answered its own request, once
+            assert s1.shm.regions and s1.shm.bells == 1  # s1 answered its own request, once
             good.steps_for(0.3)
             assert good.steps > 0
         finally:
@@ -259,7 +259,7 @@ def test_a_dead_workers_busy_doorbell_is_dropped_on_a_timer() -> None:
                  str(req_w), str(rep_w)], pass_fds=(req_r, req_w, rep_w), env=env,
                 capture_output=True, text=True, timeout=120, check=True)
             got = json.loads(done.stdout.strip().splitlines()[-1])
-            assert got["bell"] is True and s._bells == 1
+            assert got["bell"] is True and s.shm.bells == 1
             os.close(req_r)
             os.close(rep_w)
             push = wire.encode("shm_push", {"region": got["region"], "push": [], "fetch": []})
@@ -277,7 +277,7 @@ def test_a_dead_workers_busy_doorbell_is_dropped_on_a_timer() -> None:
             busy = threading.Thread(target=keep_busy, daemon=True)
             busy.start()
             t0 = time.monotonic()
-            _wait(lambda: not s._regions and s._bells == 0, "the dead worker's region", 8.0)
+            _wait(lambda: not s.shm.regions and s.shm.bells == 0, "the dead worker's region", 8.0)
             took = time.monotonic() - t0
             assert answered[0] > 10  # it was busy, never idle for 0.5 s
             busy.join(10)
@@ -309,7 +309,7 @@ def test_calls_over_every_tensor_are_refused_by_count_before_any_lock() -> None:
                      ("wait_version", {"min_version": 1, "timeout": 1.0}, "name the tensors"),
                      ("set_hyperparams", {"hyperparams": {"lr": 0.5}}, "name the tensors"),
                      ("health", {}, "more shards")]
-            held = s._slots["t000"].lock
+            held = s.service.slots["t000"].lock
             held.acquire()  # a slot busy for as long as this test wants
             try:
                 for op, fields, fix in calls:
@@ -363,7 +363,7 @@ def test_a_huge_chunked_request_does_not_stall_the_event_loop() -> None:
         try:
             assert sent.wait(30)
             worst = max(good.steps_for(2.0))
-            assert s._receiving_bytes == declared  # admitted and being received
+            assert s.admission.receiving_bytes == declared  # admitted and being received
             grew = _rss() - rss0
         finally:
             release.set()

@@ -94,7 +94,7 @@ def test_fallback_when_disabled_or_unavailable(shard: ShardServer,
 
 def test_shard_without_shared_memory_falls_back(shard: ShardServer) -> None:
     """An older shard (no shm ops) refuses the attach; the worker then uses gRPC."""
-    del shard._ops["shm_attach"]
+    del shard.service.ops["shm_attach"]
     _, versions, used = _train(shard.address, 2, shared_memory=True)
     assert used == [] and versions == {"w": 2, "b": 2, "e": 2}
 
@@ -132,7 +132,7 @@ def test_hostile_regions_are_refused_and_a_good_client_is_served(
     may be another process's: its type, size, owner or mode); the check that failed is in
     the shard's log only."""
     caplog.set_level(logging.WARNING, logger="stratagem.ps.server")
-    shard._throttle.every = 0.0  # log every refusal here (one per 10 s otherwise)
+    shard.service.throttle.every = 0.0  # log every refusal here (one per 10 s otherwise)
     params = _params()
     good = PSClient([shard.address], token=TOKEN, timeout=10)
     table = ShardedParameters(good, params, optimizer_spec=ADAM, shared_memory=True)
@@ -242,9 +242,9 @@ def test_regions_of_dead_workers_are_dropped(shard: ShardServer) -> None:
         table = ShardedParameters(client, params, optimizer_spec=ADAM, shared_memory=True)
         table.register()
         table.push_fetch_async(_grads(params, 0), fetch=list(params)).result()
-        (rid, region), = shard._regions.items()
+        (rid, region), = shard.shm.regions.items()
         region.pid = dead_pid  # as if that worker had died without detaching
         other = ShardedParameters(client, params, optimizer_spec=ADAM, shared_memory=True)
         other.register()
         other.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
-        assert rid not in shard._regions and _regions(client) == 1
+        assert rid not in shard.shm.regions and _regions(client) == 1

@@ -179,7 +179,7 @@ def test_hostile_doorbell_messages_are_refused_or_close_only_that_channel(
             os.write(raw.req, (shm.BELL_MAX_BYTES + 1).to_bytes(4, "little"))
             with pytest.raises(shm.BellClosed):
                 shm.bell_receive(raw.rep, time.monotonic() + 5)
-            _wait(lambda: raw.rid not in shard._regions, "oversized: region dropped")
+            _wait(lambda: raw.rid not in shard.shm.regions, "oversized: region dropped")
             still_served()
         finally:
             raw.close()
@@ -195,11 +195,11 @@ def test_hostile_doorbell_messages_are_refused_or_close_only_that_channel(
                 shm.bell_send(raw.req, data, time.monotonic() + 5)
                 with pytest.raises(shm.BellClosed):  # EOF, not an answer
                     shm.bell_receive(raw.rep, time.monotonic() + 5)
-                _wait(lambda r=raw: r.rid not in shard._regions, f"{data[:20]!r}: dropped")
+                _wait(lambda r=raw: r.rid not in shard.shm.regions, f"{data[:20]!r}: dropped")
                 still_served()
             finally:
                 raw.close()
-        assert not shard._stopped.is_set()  # "shutdown" never reached the shard's op
+        assert not shard.service.stopped.is_set()  # "shutdown" never reached the shard's op
         # A body that stops half-way: cut after body_timeout (1 s here), that channel only.
         raw = _RawBell(good)
         try:
@@ -233,7 +233,7 @@ def test_worker_gone_drops_its_region_and_doorbell(shard: ShardServer) -> None:
         raw = _RawBell(good)
         assert good.health()[0]["shm_bells"] == 2
         raw.close()  # as a dead worker's ends close: EOF on the shard's side
-        _wait(lambda: raw.rid not in shard._regions, "region of a closed doorbell dropped")
+        _wait(lambda: raw.rid not in shard.shm.regions, "region of a closed doorbell dropped")
         _wait(lambda: good.health()[0]["shm_bells"] == 1, "its thread ended")
 
 
@@ -244,20 +244,20 @@ def test_stuck_or_stopped_shard_raises_within_the_deadline_then_grpc(
         table = ShardedParameters(client, params, optimizer_spec=ADAM, shared_memory=True)
         table.register()
         table.push_fetch_async(_grads(params, 0), fetch=list(params)).result()
-        serve = shard._shm_push
+        serve = shard.shm.push
 
         def slow(msg: wire.Message) -> bytes:
             time.sleep(2.5)
             return serve(msg)
 
-        monkeypatch.setattr(shard, "_shm_push", slow)
+        monkeypatch.setattr(shard.shm, "push", slow)
         t0 = time.monotonic()
         with pytest.raises(ParameterServerUnavailable, match="doorbell"):
             table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
         assert time.monotonic() - t0 < 3.0
         assert table.shared_memory_shards == []  # that region is never used again
-        monkeypatch.setattr(shard, "_shm_push", serve)
-        _wait(lambda: shard._slots["w"].version == 2, "the slow push lands")
+        monkeypatch.setattr(shard.shm, "push", serve)
+        _wait(lambda: shard.service.slots["w"].version == 2, "the slow push lands")
         got = table.push_fetch_async(_grads(params, 2), fetch=list(params)).result()
         assert got.versions["w"] == 3  # over gRPC: the slow push was applied, then this one
     # A shard that stops: the worker's next call ends at once, not at its deadline.
@@ -272,7 +272,7 @@ def test_stuck_or_stopped_shard_raises_within_the_deadline_then_grpc(
         with pytest.raises((ParameterServerUnavailable, RemoteError)):
             table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()
         assert time.monotonic() - t0 < 5.0
-        assert s._slots["w"].version == 1  # a stopped shard applied nothing more
+        assert s.service.slots["w"].version == 1  # a stopped shard applied nothing more
 
 
 def test_a_message_above_the_doorbells_bound_goes_over_grpc(
@@ -340,13 +340,13 @@ def test_closing_waits_for_a_doorbell_call_in_flight(shard: ShardServer,
 
     client = PSClient([shard.address], token=TOKEN, timeout=10)
     table, params = _good_table(client)
-    serve = shard._shm_push
+    serve = shard.shm.push
 
     def slow(msg: wire.Message) -> bytes:
         time.sleep(1.0)
         return serve(msg)
 
-    monkeypatch.setattr(shard, "_shm_push", slow)
+    monkeypatch.setattr(shard.shm, "push", slow)
     out: list[object] = []
     t = threading.Thread(target=lambda: out.append(
         table.push_fetch_async(_grads(params, 1), fetch=list(params)).result()))
