@@ -15,6 +15,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check torchft-nightly==2026.10.26
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[examples,dev,ft]'
+	scripts/install-slurm.sh
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -195,8 +195,9 @@ def torchrun_command(args: argparse.Namespace, *, master_port: int | None = None
 
 
 def _configure_run(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=_nproc, required=True,
-                   help="worker processes on this node")
+    p.add_argument("--nproc", type=_nproc, default=None,
+                   help="worker processes on this node (required unless the cluster sets it: "
+                        "PET_NPROC_PER_NODE, SKYPILOT_NUM_GPUS_PER_NODE)")
     p.add_argument("--num-ps", type=nonneg_int, default=0,
                    help="parameter-server shard processes to start first (single node)")
     p.add_argument("--nnodes", type=_nnodes, default=None,
@@ -382,9 +383,53 @@ def network_env(args: argparse.Namespace, env: dict[str, str]) -> str | None:
     return None
 
 
+def cluster_env(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
+    """Fill the rendezvous arguments not given as flags from the environment a cluster's
+    launcher set (Slurm under ``srun``, a Kubeflow ``TrainJob``, SkyPilot:
+    :func:`stratagem.clusters.resolve_node`); returns an error message (exit 2) or None.
+    Flags always win; the address and port are taken from the environment only for a job
+    of several nodes."""
+    from stratagem.clusters import ClusterEnvError, resolve_node
+
+    if args.rdzv_backend is not None:
+        return None if args.nproc is not None else (
+            "--nproc is required with --rdzv-backend")
+    try:
+        place = resolve_node(env, nnodes=args.nnodes, node_rank=args.node_rank,
+                             master_addr=args.master_addr, master_port=args.master_port,
+                             nproc_per_node=args.nproc)
+    except ClusterEnvError as exc:
+        return str(exc)
+    if place.nproc_per_node is None:
+        return ("--nproc is required: the worker processes to start on this node (no "
+                "PET_NPROC_PER_NODE or SKYPILOT_NUM_GPUS_PER_NODE in the environment)")
+    found = place.from_environment()
+    args.nproc = place.nproc_per_node
+    several = place.nnodes is not None and str(place.nnodes) not in ("1", "1:1")
+    if "nnodes" in found and several:
+        args.nnodes = str(place.nnodes)
+    if several:
+        for name in ("node_rank", "master_addr", "master_port"):
+            if name in found:
+                setattr(args, name, getattr(place, name))
+    applied = ["nproc_per_node"] + (["nnodes", "node_rank", "master_addr", "master_port"]
+                                     if several else [])
+    used = {k: found[k] for k in applied if k in found}
+    if used:
+        parts = [f"{k.replace('_per_node', '')}={getattr(place, k)} ({v}"
+                 f"{': ' + place.how[k] if k in place.how and k.startswith('master') else ''})"
+                 for k, v in used.items()]
+        print(f"stratagem run: from the environment: {', '.join(parts)}", file=sys.stderr)
+    return None
+
+
 @subcommand("run", "run a training script on N workers (on top of torchrun)",
             configure=_configure_run, epilog=_RUN_EPILOG)
 def _run(args: argparse.Namespace) -> int:
+    problem = cluster_env(args)
+    if problem is not None:
+        print(f"stratagem run: error: {problem}", file=sys.stderr)
+        return 2
     try:
         strategy_args = parse_strategy_args(args.strategy_arg)
     except ValueError as e:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import gc
 import os
 import threading
@@ -443,6 +444,11 @@ class Comm:
         rank to start, however short the step ``timeout``: a slow start is not a dead peer.
         """
         startup = startup_seconds(timeout, startup_timeout)
+        from stratagem.clusters import adopt_tasks
+
+        # Processes a cluster started one per worker (srun python train.py) get torchrun's
+        # variables from their cluster's; a torchrun-style launcher's are kept as they are.
+        adopt_tasks()
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1 and not dist.is_initialized():
             return cls.single()
@@ -465,8 +471,17 @@ class Comm:
             # Rank 0 hosts the store itself on MASTER_ADDR only; torch's
             # TCPStore would listen on every interface (on one machine every peer is on
             # loopback; on several, they reach node 0's address on their shared network).
-            base = bound_tcp_store(host, port, world_size=world_size,
-                                   timeout=timedelta(seconds=startup))
+            try:
+                base = bound_tcp_store(host, port, world_size=world_size,
+                                       timeout=timedelta(seconds=startup))
+            except OSError as exc:
+                source = os.environ.get("STRATAGEM_CLUSTER_SOURCE")
+                if source is None or exc.errno != errno.EADDRINUSE:
+                    raise
+                raise OSError(errno.EADDRINUSE,
+                              f"the rendezvous port {port} ({source} job: derived from the "
+                              f"job id, unless MASTER_PORT is set) is taken on {host}. Fix: "
+                              "export MASTER_PORT=<a free port> in the job script") from exc
         else:
             # Connecting waits for rank 0's store: start-up, bounded by ``startup``.
             base = dist.TCPStore(

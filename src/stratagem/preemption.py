@@ -14,7 +14,13 @@ different instants (one 4-byte all-reduce per step, only while preemption handli
 ``save`` is itself a collective, so this holds for every strategy sharing a process group;
 workers run as single-process jobs (``comm=sg.Comm.single()``, async strategies) decide alone.
 
-A second SIGTERM while the first is being handled restores the default action and kills the
+Slurm: inside a Slurm job the default signals are SIGTERM and SIGUSR1 (``sbatch
+--signal=USR1@60`` warns a job 60 s before its time limit; ``scancel --signal=USR1`` does it
+at once), and ``requeue=True`` puts the job back in the queue once the checkpoint is saved
+(``scontrol requeue $SLURM_JOB_ID``, by rank 0 after every replica saved): the requeued job's
+script restores from ``path`` and goes on from the same step, position in the epoch included.
+
+A second signal while the first is being handled restores the default action and kills the
 process at once. Handlers can only be installed from the main thread; elsewhere (ranks run as
 threads in tests) call :meth:`PreemptionCheckpoint.trigger` instead.
 """
@@ -23,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import weakref
 from collections.abc import Iterable
@@ -37,10 +45,22 @@ from .checkpoint import save
 from .strategy import Strategy, register_feature
 from .validation import check_int
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionCheckpoint", "on_preemption"]
+__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionCheckpoint", "on_preemption", "default_signals"]
 
 #: Exit code of a worker that saved a checkpoint because it was preempted (128 + SIGTERM).
 PREEMPTED_EXIT_CODE = 128 + int(signal.SIGTERM)
+#: How long ``scontrol requeue`` may take before the requeue is given up (the checkpoint is
+#: saved either way).
+REQUEUE_TIMEOUT_SECONDS = 60.0
+
+
+def default_signals(env: Any = None) -> tuple[int, ...]:
+    """SIGTERM, and SIGUSR1 inside a Slurm job (``SLURM_JOB_ID``): the signal ``sbatch
+    --signal=USR1@SECONDS`` sends before the time limit."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID"):
+        return (int(signal.SIGTERM), int(signal.SIGUSR1))
+    return (int(signal.SIGTERM),)
 
 
 class PreemptionCheckpoint:
@@ -51,20 +71,35 @@ class PreemptionCheckpoint:
     callable is called at save time (e.g. ``step=lambda: step``). With ``exit=True`` (the
     default) the process then raises ``SystemExit(exit_code)``; with ``exit=False`` the step
     returns normally and :attr:`saved` becomes True, for loops that want to stop themselves.
+    The save happens inside ``optimizer.step()`` (its end is the step boundary): a loop that
+    counts steps should count before calling it, or the saved count is one behind the model.
 
     On failure: if the save fails, ``CheckpointError`` propagates from ``optimizer.step()``
     on every replica and the previous checkpoint at ``path`` stays intact.
     """
 
     def __init__(self, strategy: Strategy, path: str | os.PathLike[str], *,
-                 signals: Iterable[int] = (signal.SIGTERM,), exit: bool = True,
+                 signals: Iterable[int] | None = None, exit: bool = True,
                  exit_code: int = PREEMPTED_EXIT_CODE, keep_last: int = 2,
-                 **state: Any) -> None:
+                 requeue: bool = False, **state: Any) -> None:
         check_int("exit_code", exit_code, minimum=0, maximum=255,
                   fix=f"pass a process exit status, e.g. {PREEMPTED_EXIT_CODE}")
+        if not isinstance(requeue, bool):
+            raise TypeError(f"requeue must be True or False, got {requeue!r}")
+        if requeue:
+            if not os.environ.get("SLURM_JOB_ID"):
+                raise ValueError("requeue=True puts a Slurm job back in its queue, but this "
+                                 "process is not in a Slurm job (SLURM_JOB_ID is not set). "
+                                 "Fix: drop requeue=, or run the script under sbatch")
+            if shutil.which("scontrol") is None:
+                raise ValueError("requeue=True needs Slurm's scontrol on PATH (to run "
+                                 "`scontrol requeue $SLURM_JOB_ID`). Fix: add Slurm's bin "
+                                 "directory to PATH, or drop requeue=")
         self.strategy = strategy
         self.path = path
-        self.signals = tuple(signals)
+        self.signals = tuple(default_signals() if signals is None else signals)
+        self.requeue = requeue
+        self.requeued = False
         self.exit = exit
         self.exit_code = exit_code
         self.keep_last = keep_last
@@ -140,6 +175,11 @@ class PreemptionCheckpoint:
         state = {k: (v() if _is_thunk(v) else v) for k, v in self.state.items()}
         save(self.strategy, self.path, keep_last=self.keep_last, **state)
         self.saved = True
+        if self.requeue:
+            if comm.world_size > 1:  # every replica has saved before the job is requeued
+                comm.barrier()
+            if comm.rank == 0:
+                self.requeued = _requeue_slurm_job()
         if self.exit:
             self.uninstall()
             raise SystemExit(self.exit_code)
@@ -165,6 +205,30 @@ def on_preemption(strategy: Strategy, path: str | os.PathLike[str],
 
 
 register_feature("on_preemption", on_preemption)
+
+
+def _requeue_slurm_job() -> bool:
+    """``scontrol requeue $SLURM_JOB_ID``: the job goes back to the queue (Slurm ends this
+    run's processes); True once Slurm accepted it. A failure is a warning, not an error: the
+    checkpoint is saved either way."""
+    import warnings
+
+    job = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                              timeout=REQUEUE_TIMEOUT_SECONDS, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        warnings.warn(f"preemption: the checkpoint is saved, but `scontrol requeue {job}` "
+                      f"failed ({exc}); resubmit the job to resume", RuntimeWarning,
+                      stacklevel=2)
+        return False
+    if done.returncode != 0:
+        warnings.warn(f"preemption: the checkpoint is saved, but `scontrol requeue {job}` "
+                      f"exited {done.returncode}: {done.stderr.strip()[:300]}; resubmit the job "
+                      "to resume (a job submitted with --no-requeue cannot be requeued)",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def _is_thunk(value: Any) -> bool:

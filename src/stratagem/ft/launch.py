@@ -175,6 +175,13 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
     env = os.environ
     missing = [k for k in (LIGHTHOUSE_ENV, SLOT_ENV, SLOTS_ENV) if k not in env]
     if missing:
+        if env.get("SLURM_JOB_ID"):
+            raise RuntimeError(
+                f"fault_tolerant=True needs a fault-tolerant launcher; {missing} are not set: "
+                "Slurm started this process itself (srun python ...), and Slurm does not "
+                "restart one worker alone or heal it. Fix: one stratagem launcher per node, "
+                "`srun --ntasks-per-node=1 stratagem run --fault-tolerant --nproc N "
+                "--ft-token-file PATH train.py` (the same 0600 secret file on every node)")
         raise RuntimeError(
             f"fault_tolerant=True needs a fault-tolerant launcher; {missing} are not set (plain "
             "torchrun, srun or a Ray worker set none of them). Fix: start the job with "

@@ -181,18 +181,30 @@ _CAN_PIN_LAYOUT = all(hasattr(torch._C._distributed_c10d.Reducer, name)
                       for name in ("_push_all_rebuilt_params", "_rebuild_buckets"))
 
 
-def _pin_bucket_layout(ddp: DDP) -> None:
+def _pin_bucket_layout(ddp: DDP, *, required: bool = True) -> bool:
     """Build ``ddp``'s final buckets now, from its parameters in registration order, instead
     of after the first backward from the order their gradients became ready: the layout then
     depends on the model alone, so a replica that joins late lines up with its peers. DDP
     launches a bucket's all-reduce once every earlier bucket's is launched, so this layout
-    overlaps less communication with the backward than DDP's rebuilt one."""
+    overlaps less communication with the backward than DDP's rebuilt one (for a model of one
+    bucket there is nothing to overlap). False (``required=False``) where DDP refused."""
     ddp.reducer._push_all_rebuilt_params()
-    if not ddp.reducer._rebuild_buckets():
-        raise RuntimeError(
-            "DDP did not accept a fixed bucket layout (a static_graph model?), which a "
-            "fault-tolerant replica needs. Fix: pass find_unused_parameters=True to the "
-            "strategy")
+    if ddp.reducer._rebuild_buckets():
+        return True
+    if not required:
+        return False
+    raise RuntimeError(
+        "DDP did not accept a fixed bucket layout (a static_graph model?), which a "
+        "fault-tolerant replica needs. Fix: pass find_unused_parameters=True to the "
+        "strategy")
+
+
+def _one_bucket(module: nn.Module, bucket_cap_mb: float) -> bool:
+    """Whether DDP puts every gradient of ``module`` in one bucket (its first bucket's cap
+    is the smaller, ``dist._DEFAULT_FIRST_BUCKET_BYTES``)."""
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+    size = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return size <= min(first, bucket_cap_mb * (1 << 20))
 
 
 class GradientSync(Part):
@@ -249,6 +261,15 @@ class GradientSync(Part):
         # that cannot, find_unused_parameters keeps DDP's first layout (at the price of a
         # graph traversal per forward).
         pin = self.comm.elastic and not self.find_unused_parameters
+        # A model of one bucket gets its final layout at once too (DDP's first layout and
+        # its rebuilt one differ in the order of the parameters inside the bucket, so on
+        # three replicas or more, where a ring all-reduce adds each element's terms in an
+        # order that depends on its place, a run resumed from a checkpoint summed its first
+        # step in another order than the run it continues; pinned, every step of every run
+        # has the same layout and a resumed run is bitwise the uninterrupted one). With one
+        # bucket there is no communication to overlap, so this costs nothing.
+        settle = (not pin and not self.find_unused_parameters and _CAN_PIN_LAYOUT
+                  and _one_bucket(module, self.bucket_cap_mb))
         # The built-in path needs every reduced parameter to get a gradient in every
         # backward (true unless find_unused_parameters) for the byte counter, and dense
         # gradients (a sparse payload depends on the rows touched).
@@ -270,6 +291,8 @@ class GradientSync(Part):
         )
         if pin and _CAN_PIN_LAYOUT:
             _pin_bucket_layout(ddp)
+        elif settle:
+            _pin_bucket_layout(ddp, required=False)
         self._wrappers.add(ddp)
         if builtin:
             _count_builtin_allreduce(self.comm, ddp)

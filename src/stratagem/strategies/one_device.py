@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -31,6 +32,10 @@ class OneDevice(Strategy):
 
 
 def _warn_if_launched() -> None:
+    from stratagem.clusters import ClusterEnvError, adopt_tasks
+
+    with contextlib.suppress(ClusterEnvError):  # a malformed cluster env: not for OneDevice
+        adopt_tasks()  # srun python train.py: WORLD_SIZE from Slurm's variables
     raw = os.environ.get("WORLD_SIZE", "1")
     try:
         world = int(raw)
