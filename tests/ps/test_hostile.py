@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helpers
 import pytest
 import torch
 from torch.testing import assert_close
@@ -164,23 +165,12 @@ def _reset_hwm(pid: int) -> bool:
         return False
 
 
-class ProcShard:
-    """A shard in a process of its own, so its RSS is its alone."""
+class ProcShard(helpers.ProcShard):
+    """A shard in a process of its own, so its RSS is its alone; started and waited for."""
 
     def __init__(self, tmp: Path, *extra: str) -> None:
-        tok, port = tmp / "token", tmp / "port"
-        tok.write_text(TOKEN)
-        tok.chmod(0o600)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env["PYTHONPATH"] = child_pythonpath(env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stratagem.ps.server", "--port-file", str(port),
-             "--token-file", str(tok), *extra], env=env, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while not (port.exists() and port.read_text().strip()):
-            assert self.proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(port.read_text())}"
+        super().__init__(tmp, *extra, token=TOKEN)
+        self.wait()
 
     def growth(self, fn: Any) -> int:
         """Peak RSS growth (bytes) of the shard while ``fn()`` runs."""
@@ -207,13 +197,6 @@ class ProcShard:
         finally:
             client.close()
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,15 @@ from typing import Any
 
 from ..errors import StratagemError
 
-__all__ = ["MemberKey", "UnverifiedMemberError", "MAX_HANDLE_BYTES", "MAX_ID_CHARS", "PROOF_LABEL"]
+
+def labelled_mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 under ``key`` of ``label``, a zero byte and ``parts`` one after the other:
+    the one proof every authenticated channel of fault tolerance uses (the members-only store
+    and the heal transport), the label keeping one channel's proofs from serving another."""
+    return hmac.new(key, label + b"\0" + b"".join(parts), hashlib.sha256).digest()
+
+__all__ = ["MemberKey", "UnverifiedMemberError", "MAX_HANDLE_BYTES", "MAX_ID_CHARS", "PROOF_LABEL",
+           "labelled_mac"]
 
 #: The longest reconfigure handle (bytes) a member may send; torchft's are ~100 bytes.
 MAX_HANDLE_BYTES = 4096

@@ -24,7 +24,6 @@ This store serves only processes that prove the secret:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import os
 import socket
@@ -37,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._rendezvous import bracket_host
+from .membership import labelled_mac as _mac
 
 __all__ = ["MemberStoreServer", "MemberStore", "AUTH_TIMEOUT", "MAX_CONNECTIONS", "MAX_PENDING",
            "MAX_KEY_BYTES", "MAX_VALUE_BYTES", "MAX_KEYS", "MAX_STORE_BYTES"]
@@ -57,10 +57,6 @@ _REQ = struct.Struct(">BHIq")  # op, key length, value length, argument (add / w
 _REP = struct.Struct(">BIq")  # status, value length, integer result
 _SET, _GET, _WAIT, _ADD, _CHECK, _CAS, _DELETE = range(1, 8)
 _OK, _MISSING, _TIMEOUT, _REFUSED = range(4)
-
-
-def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, label + b"\0" + b"".join(parts), hashlib.sha256).digest()
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:

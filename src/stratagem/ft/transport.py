@@ -86,6 +86,7 @@ from ..checkpoint.format import check_header, loads_checked
 from ..checkpoint.tree import decode, encode
 from ..errors import CheckpointError
 from ..ps.auth import is_loopback, is_unspecified
+from .membership import labelled_mac as _mac
 
 __all__ = ["SafeHealTransport", "MAGIC", "MAX_CONNECTIONS", "MAX_PENDING", "AUTH_TIMEOUT",
            "MIN_TOKEN_BYTES", "heal_bound", "state_nbytes"]
@@ -117,10 +118,6 @@ _HEAD = struct.Struct(">8sBqQQ32s32s32s")
 _OK, _REFUSED = 0, 1
 _FIX_TOKEN = ("Fix: give every replica of the job the same token (the launcher's job secret), "
               "and check that the metadata points at a replica of this job")
-
-
-def _mac(token: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, label + b"\0" + b"".join(parts), hashlib.sha256).digest()
 
 
 def _seconds(timeout: timedelta | float, name: str) -> float:
