@@ -35,6 +35,12 @@ MAX_HOSTS = 65536
 _GROUP = re.compile(r"\[([^\]]*)\]")
 
 
+def _bound(count: int, nodelist: str) -> None:
+    if count > MAX_HOSTS:
+        raise ClusterEnvError(f"SLURM node list {nodelist!r} names more than {MAX_HOSTS} "
+                              "hosts")
+
+
 def _split_top(nodelist: str) -> list[str]:
     """``nodelist`` cut at the commas outside brackets: ``a[1,3],b2`` -> ``a[1,3]``, ``b2``."""
     out, depth, start = [], 0, 0
@@ -68,9 +74,7 @@ def _range_items(spec: str, nodelist: str) -> list[str]:
         a, b = int(lo), int(hi)
         if b < a:
             raise ClusterEnvError(f"SLURM node list {nodelist!r}: range {part!r} runs backwards")
-        if len(items) + b - a + 1 > MAX_HOSTS:
-            raise ClusterEnvError(f"SLURM node list {nodelist!r} names more than {MAX_HOSTS} "
-                                  "hosts")
+        _bound(len(items) + b - a + 1, nodelist)
         width = len(lo)
         items += [str(i).zfill(width) for i in range(a, b + 1)]
     return items
@@ -83,9 +87,7 @@ def _expand_one(item: str, nodelist: str) -> list[str]:
     for m in _GROUP.finditer(item):
         literal = item[pos:m.start()]
         hosts = [h + literal + x for h in hosts for x in _range_items(m.group(1), nodelist)]
-        if len(hosts) > MAX_HOSTS:
-            raise ClusterEnvError(f"SLURM node list {nodelist!r} names more than {MAX_HOSTS} "
-                                  "hosts")
+        _bound(len(hosts), nodelist)
         pos = m.end()
     return [h + item[pos:] for h in hosts]
 
@@ -97,9 +99,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     hosts: list[str] = []
     for item in _split_top(nodelist):
         hosts += _expand_one(item, nodelist)
-        if len(hosts) > MAX_HOSTS:
-            raise ClusterEnvError(f"SLURM node list {nodelist!r} names more than {MAX_HOSTS} "
-                                  "hosts")
+        _bound(len(hosts), nodelist)
     if not hosts:
         raise ClusterEnvError(f"SLURM node list {nodelist!r} names no host")
     return hosts

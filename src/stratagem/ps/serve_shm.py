@@ -30,7 +30,7 @@ import torch
 from stratagem.ps import shm, wire
 from stratagem.ps.rules import is_int as _is_int
 from stratagem.ps.rules import refused as _err
-from stratagem.ps.service import ShardService, field_int, field_names, first_repeat
+from stratagem.ps.service import ShardService, field_int, field_names, first_repeat, locked
 from stratagem.ps.wire import Entry, Message
 
 __all__ = ["MAX_REGIONS", "REAP_SECONDS", "SameHost"]
@@ -283,16 +283,10 @@ class SameHost:
                            "attached", "FAILED_PRECONDITION")
         results = svc.apply_push(checked, max_staleness)
         versions: dict[str, int] = {}
-        unique = sorted({id(s): s for s in wanted}.values(), key=lambda s: s.name)
-        for s in unique:
-            s.lock.acquire()
-        try:
+        with locked(wanted):
             for s in wanted:
                 region.values[s.name].copy_(s.value)
                 versions[s.name] = s.version
-        finally:
-            for s in reversed(unique):
-                s.lock.release()
         self.pushes += 1
         return wire.encode("pushed", {"results": results, "versions": versions})
 

@@ -44,7 +44,7 @@ from stratagem.ps.wire import Entry, Message, WireError
 from stratagem.validation import check_int, check_number
 
 __all__ = ["Abort", "ShardService", "Throttle", "Wait", "field_float", "field_int",
-           "field_names", "first_repeat", "INLINE_BYTES"]
+           "field_names", "first_repeat", "locked", "INLINE_BYTES"]
 
 log = logging.getLogger("stratagem.ps.server")
 
@@ -349,7 +349,7 @@ class ShardService:
                          extra=len(json.dumps(fields or {})))
         # The given slots' own locks (a slot replaced by set_state meanwhile keeps its lock), in
         # a fixed order: no deadlock.
-        with _locked(slots):
+        with locked(slots):
             return wire.encode(op, fields, [Entry(s.name, s.value, s.version) for s in slots])
 
     def check_quota(self, op: str, adding: int, freeing: int = 0) -> None:
@@ -644,7 +644,7 @@ class ShardService:
         # Counted and sized before any lock is taken (optimizer state read without its lock:
         # an estimate, checked again exactly under the locks below).
         self.check_reply("get_state", [(n, b) for s in slots for n, b in _state_sizes(s)])
-        with _locked(slots):
+        with locked(slots):
             entries: list[Entry] = []
             metas: list[dict[str, Any]] = []
             for slot in slots:
@@ -737,7 +737,7 @@ class ShardService:
         return wire.encode("ok", {"stopping": True})
 
 
-class _locked:
+class locked:
     """Hold the locks of ``slots`` (each once, in name order: no deadlock)."""
 
     def __init__(self, slots: Sequence[Slot]) -> None:
