@@ -218,11 +218,12 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
 def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, Any], *,
             workers: int, sync: bool, needs_ps: bool, topo: Any, timeout: float,
             run_timeout: float, nnodes: int | None = None,
-            job_env: dict[str, str] | None = None
+            job_env: dict[str, str] | None = None, ps_shards: int = 1
             ) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
     """One job of ``script``: ``workers`` processes ``script --worker CFG`` (rank r in
     namespace r, or r // (workers // nnodes) with ``nnodes``; loopback when ``topo`` is None),
-    plus ``script --evaluator CFG`` when not ``sync`` and one PS shard when ``needs_ps``.
+    plus ``script --evaluator CFG`` when not ``sync`` and ``ps_shards`` PS shards when
+    ``needs_ps``.
 
     ``cfg`` is written to ``run_dir/cfg.json``; ``job_env`` is added to every process's
     environment. Returns ``(out, chief, ranks)``: ``out`` is ``header`` plus ``job_seconds``
@@ -248,7 +249,7 @@ def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, A
     error = None
     try:
         if needs_ps:
-            shards = start_ps_shards(1, host=host, env={**os.environ, **job_env})
+            shards = start_ps_shards(ps_shards, host=host, env={**os.environ, **job_env})
         argv0 = [sys.executable, script]
         # Async strategies get an evaluator (rank W here) on the bridge, next to the shard.
         for r in range(W if sync else W + 1):

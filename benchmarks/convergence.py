@@ -258,9 +258,11 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
     its namespace, with torchrun's per-node environment; by default every worker has a
     namespace of its own and the job is one node."""
     name, strategy_args, needs_ps, sync = STRATEGIES[key] if spec is None else spec
-    # A variant's "_env" sets environment variables of its processes (shard, workers).
+    # A variant's "_env" sets environment variables of its processes (shard, workers), its
+    # "_ps_shards" the number of parameter-server shard processes (1 unless given).
     strategy_args = dict(strategy_args)
     job_env = {str(k): str(v) for k, v in strategy_args.pop("_env", {}).items()}
+    ps_shards = int(strategy_args.pop("_ps_shards", 1))
     run_dir = tmp / f"{key}-{link}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = {"strategy": name, "strategy_args": strategy_args, "seed": seed, "sync": sync,
@@ -272,7 +274,7 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
         str(Path(__file__).resolve()), run_dir, cfg,
         {"strategy": key, "link": link, "seed": seed, "strategy_args": strategy_args},
         workers=args.workers, sync=sync, needs_ps=needs_ps, topo=topo, timeout=args.timeout,
-        run_timeout=args.run_timeout, nnodes=nnodes, job_env=job_env)
+        run_timeout=args.run_timeout, nnodes=nnodes, job_env=job_env, ps_shards=ps_shards)
     if chief is None:
         return out
     out.update({k: chief[k] for k in ("curve", "final_accuracy", "reached", "steps",

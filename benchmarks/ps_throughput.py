@@ -163,13 +163,19 @@ def minimal_server_main(port_file: str, nbytes: int, max_bytes: int, use_aio: bo
     serve_thread_pool(port_file, max_bytes, {"Exchange": locked})
 
 
-def spawn(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server process; returns it and the file it will write its port to."""
     fd, port_file = tempfile.mkstemp()
     os.close(fd)
     os.unlink(port_file)
     env = {**os.environ, "PYTHONPATH": src or str(Path(__file__).resolve().parents[1] / "src")}
     proc = subprocess.Popen([sys.executable, *args, "--port-file", port_file], env=env,
                             stderr=subprocess.DEVNULL)
+    return proc, port_file
+
+
+def address(proc: subprocess.Popen[bytes], port_file: str, args: list[str]) -> str:
+    """Wait (up to 30 s) for a started server's port; returns its loopback address."""
     deadline = time.monotonic() + 30
     while not os.path.exists(port_file) or not Path(port_file).read_text().strip():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -177,7 +183,7 @@ def spawn(args: list[str], src: str | None = None) -> tuple[subprocess.Popen[byt
         time.sleep(0.05)
     port = int(Path(port_file).read_text())
     os.unlink(port_file)
-    return proc, f"127.0.0.1:{port}"
+    return f"127.0.0.1:{port}"
 
 
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -359,6 +365,7 @@ def main() -> None:
                 addrs: dict[str, list[str]] = {"ours": [], "ours_buckets": [], "raw": [],
                                                "raw_aio": [], "minimal": [], "minimal_aio": [],
                                                "before": []}
+                starting: list[tuple[str, subprocess.Popen[bytes], str, list[str]]] = []
                 for n in shard_bytes:
                     for side, cmd, src in (
                             ("ours", ["-m", "stratagem.ps.server"], None),
@@ -372,9 +379,13 @@ def main() -> None:
                             ("before", ["-m", "stratagem.ps.server"], args.before_src)):
                         if side == "before" and not args.before_src:
                             continue
-                        p, a = spawn(cmd, src=src)
+                        # Every server starts at once (their imports overlap); the
+                        # addresses are read below, once all are on their way.
+                        p, port_file = start(cmd, src=src)
                         procs.append(p)
-                        addrs[side].append(a)
+                        starting.append((side, p, port_file, cmd))
+                for side, p, port_file, cmd in starting:
+                    addrs[side].append(address(p, port_file, cmd))
                 sides: dict[str, Callable[[int], Callable[[], int]]] = {
                     "ours": ours_step_factory(addrs["ours"], params),
                     "ours_buckets": ours_step_factory(addrs["ours_buckets"], params,
