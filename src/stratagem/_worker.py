@@ -214,6 +214,12 @@ def _main(argv: list[str]) -> None:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(target, run_name="__main__")
+        # The script is done: exit without the interpreter's final collections, which walk
+        # torch's every object (stratagem.launcher.skip_final_collection says why and what
+        # it changes; this file imports nothing of the package).
+        import gc
+
+        gc.freeze()
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # noqa: BLE001 - every other failure is reported once

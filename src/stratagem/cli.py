@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stratagem`` command; returns the process exit code."""
+    if argv is None:  # the program itself, not a caller in its own process
+        import atexit
+
+        from stratagem.launcher import skip_final_collection
+
+        # Registered first, so it runs after every other exit handler: the command's own
+        # process exits without walking torch's objects (a launcher imports torchft).
+        atexit.register(skip_final_collection)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _COMMANDS and _COMMANDS[argv[0]].passthrough:
         # argparse's REMAINDER mishandles leading flags (``demo --help``): hand over raw argv.
