@@ -122,6 +122,8 @@ def test_one_node_step_meets_on_loopback_and_master_port_wins() -> None:
                       MASTER_PORT="31337")
     adopt_tasks(env)
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "31337")
+    # The port was given, not derived: a taken port is not blamed on the job id.
+    assert SOURCE_ENV not in env
 
 
 def test_srun_torchrun_keeps_torchruns_variables() -> None:

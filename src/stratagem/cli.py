@@ -414,15 +414,11 @@ def cluster_env(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     found = place.from_environment()
     args.nproc = place.nproc_per_node
     several = place.nnodes is not None and str(place.nnodes) not in ("1", "1:1")
-    if "nnodes" in found and several:
-        args.nnodes = str(place.nnodes)
-    if several:
-        for name in ("node_rank", "master_addr", "master_port"):
-            if name in found:
-                setattr(args, name, getattr(place, name))
     applied = ["nproc_per_node"] + (["nnodes", "node_rank", "master_addr", "master_port"]
                                      if several else [])
     used = {k: found[k] for k in applied if k in found}
+    for name in used.keys() - {"nproc_per_node"}:
+        setattr(args, name, str(place.nnodes) if name == "nnodes" else getattr(place, name))
     if used:
         parts = [f"{k.replace('_per_node', '')}={getattr(place, k)} ({v}"
                  f"{': ' + place.how[k] if k in place.how and k.startswith('master') else ''})"

@@ -475,7 +475,9 @@ class Comm:
                 base = bound_tcp_store(host, port, world_size=world_size,
                                        timeout=timedelta(seconds=startup))
             except OSError as exc:
-                source = os.environ.get("STRATAGEM_CLUSTER_SOURCE")
+                from stratagem.clusters import SOURCE_ENV
+
+                source = os.environ.get(SOURCE_ENV)  # set only for a derived port
                 if source is None or exc.errno != errno.EADDRINUSE:
                     raise
                 raise OSError(errno.EADDRINUSE,

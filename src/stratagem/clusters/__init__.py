@@ -29,8 +29,9 @@ from stratagem.clusters.base import ClusterEnvError, NodePlacement, TaskPlacemen
 __all__ = ["ClusterEnvError", "NodePlacement", "TaskPlacement", "ResolvedNode",
            "resolve_node", "adopt_tasks", "SOURCE_ENV"]
 
-#: Set by :func:`adopt_tasks` to the cluster whose variables made this process's torchrun
-#: variables (so an error can name where a value came from and how to override it).
+#: Set by :func:`adopt_tasks` to the cluster's name when it derived the rendezvous port
+#: from the cluster's job id (so a taken port can be named, with the variable that
+#: overrides it); absent when ``MASTER_PORT`` was given.
 SOURCE_ENV = "STRATAGEM_CLUSTER_SOURCE"
 
 _Reader = Callable[[Mapping[str, str]], "NodePlacement | None"]
@@ -113,8 +114,8 @@ def adopt_tasks(environ: MutableMapping[str, str] | None = None) -> TaskPlacemen
     place = slurm.tasks(environ)
     if place is None:
         return None
-    port = environ.get("MASTER_PORT") or (
-        str(place.master_port) if place.master_port is not None else None)
+    given = environ.get("MASTER_PORT")
+    port = given or (str(place.master_port) if place.master_port is not None else None)
     if not port:
         raise ClusterEnvError(f"{place.source} started {place.world_size} workers but no "
                               "rendezvous port is known (no SLURM_JOB_ID). Fix: export "
@@ -125,8 +126,9 @@ def adopt_tasks(environ: MutableMapping[str, str] | None = None) -> TaskPlacemen
         "RANK": str(place.rank), "WORLD_SIZE": str(place.world_size),
         "LOCAL_RANK": str(place.local_rank), "GROUP_RANK": str(place.node_rank),
         "GROUP_WORLD_SIZE": str(place.nnodes), "MASTER_PORT": port,
-        SOURCE_ENV: place.source,
     })
+    if not given:
+        environ[SOURCE_ENV] = place.source
     environ.setdefault("MASTER_ADDR", place.master_addr)
     if uniform:
         environ["LOCAL_WORLD_SIZE"] = str(lws)
