@@ -191,3 +191,21 @@ class ProcShard:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+def ft_progress(out: Path, slot: int) -> int:
+    """The last step ``tests/ft_scripts/train_ft.py`` wrote for ``slot`` (0 before the first,
+    or while the file is being rewritten)."""
+    try:
+        return int((out / f"progress.{slot}").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def ft_pids(out: Path, slot: int) -> list[int]:
+    """The PIDs ``tests/ft_scripts/train_ft.py`` recorded for ``slot``, one per life ([]
+    before the first)."""
+    try:
+        return [int(p) for p in (out / f"pids.{slot}").read_text().split()]
+    except OSError:
+        return []

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ft_pids, ft_progress
 
 pytest.importorskip("torchft")
 
@@ -34,22 +35,11 @@ def _start(out: Path, *extra: str, min_replicas: int = 1, steps: int = STEPS,
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def _progress(out: Path, slot: int) -> int:
-    try:
-        return int((out / f"progress.{slot}").read_text() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
 def _wait_progress(out: Path, slots: list[int], at_least: int, deadline: float) -> None:
     end = time.monotonic() + deadline
-    while min(_progress(out, s) for s in slots) < at_least:
+    while min(ft_progress(out, s) for s in slots) < at_least:
         assert time.monotonic() < end, f"no progress to step {at_least} in {deadline}s"
         time.sleep(0.05)
-
-
-def _pids(out: Path, slot: int) -> list[int]:
-    return [int(p) for p in (out / f"pids.{slot}").read_text().split()]
 
 
 def _finish(proc: subprocess.Popen[bytes]) -> str:
@@ -86,12 +76,12 @@ def test_sigkilled_worker_is_restarted_alone_heals_and_the_job_finishes(tmp_path
     # shrinking quorum is tested with a stalled worker below and with threads.
     proc = _start(tmp_path, "--step-sleep", "0.02", "--timeout", "120", min_replicas=3)
     _wait_progress(tmp_path, [0, 1, 2], 10, deadline=150)
-    survivors = {s: _pids(tmp_path, s) for s in (0, 2)}
-    os.kill(_pids(tmp_path, 1)[-1], signal.SIGKILL)
+    survivors = {s: ft_pids(tmp_path, s) for s in (0, 2)}
+    os.kill(ft_pids(tmp_path, 1)[-1], signal.SIGKILL)
     text = _finish(proc)
     assert "worker 1" in text and "restarting worker 1 alone" in text
-    assert {s: _pids(tmp_path, s) for s in (0, 2)} == survivors  # survivors never restarted
-    assert len(_pids(tmp_path, 1)) == 2  # the killed one was restarted once
+    assert {s: ft_pids(tmp_path, s) for s in (0, 2)} == survivors  # survivors never restarted
+    assert len(ft_pids(tmp_path, 1)) == 2  # the killed one was restarted once
     states, accs = _final(tmp_path)
     _assert_bitwise_equal(states)
     assert abs(accs[0] - fault_free) <= 0.005
@@ -111,13 +101,13 @@ def test_a_stalled_worker_is_evicted_the_others_go_on_and_it_heals_when_it_wakes
     proc = _start(tmp_path, "--step-sleep", "0.03", "--timeout", "4", steps=120)
     try:
         _wait_progress(tmp_path, [0, 1, 2], 8, deadline=150)
-        pid = _pids(tmp_path, 1)[-1]
+        pid = ft_pids(tmp_path, 1)[-1]
         os.kill(pid, signal.SIGSTOP)
         try:
-            stopped_at = _progress(tmp_path, 1)
+            stopped_at = ft_progress(tmp_path, 1)
             # The strategy's timeout is 4 s: the others go on without the stalled worker.
             _wait_progress(tmp_path, [0, 2], stopped_at + 8, deadline=60)
-            assert _progress(tmp_path, 1) == stopped_at
+            assert ft_progress(tmp_path, 1) == stopped_at
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
@@ -125,7 +115,7 @@ def test_a_stalled_worker_is_evicted_the_others_go_on_and_it_heals_when_it_wakes
         raise AssertionError(f"{e}\n--- the job's output ---\n{_job_output(proc)}") from e
     text = _finish(proc)
     # Woke up and caught up, not restarted (the job's output says why when it was).
-    assert len(_pids(tmp_path, 1)) == 1, text[-4000:]
+    assert len(ft_pids(tmp_path, 1)) == 1, text[-4000:]
     states, _ = _final(tmp_path)
     _assert_bitwise_equal(states)
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ft_pids, ft_progress
 
 pytest.importorskip("torchft")
 
@@ -29,20 +30,6 @@ from stratagem.testing.netns import Topology, listening_sockets  # noqa: E402
 
 SCRIPT = str(Path(__file__).parent / "ft_scripts" / "train_ft.py")
 NPROC, NNODES, PORT, STEPS = 2, 2, 29610, 50
-
-
-def _progress(out: Path, slot: int) -> int:
-    try:
-        return int((out / f"progress.{slot}").read_text() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _pids(out: Path, slot: int) -> list[int]:
-    try:
-        return [int(p) for p in (out / f"pids.{slot}").read_text().split()]
-    except OSError:
-        return []
 
 
 def _v4(address: str) -> str:
@@ -114,14 +101,14 @@ def test_sigkilled_worker_on_node_1_is_restarted_by_its_node_and_heals(tmp_path:
 
             slots = range(NPROC * NNODES)
             deadline = time.monotonic() + 120
-            while min(_progress(out, s) for s in slots) < 10:
+            while min(ft_progress(out, s) for s in slots) < 10:
                 assert all(p.poll() is None for p in procs), output()
                 assert time.monotonic() < deadline, "no progress to step 10:\n" + output()
                 look()
                 time.sleep(0.1)
-            survivors = {s: _pids(out, s) for s in (0, 1, 2)}
+            survivors = {s: ft_pids(out, s) for s in (0, 1, 2)}
             victim = 3  # node 1's second worker
-            os.kill(_pids(out, victim)[-1], signal.SIGKILL)
+            os.kill(ft_pids(out, victim)[-1], signal.SIGKILL)
             while any(p.poll() is None for p in procs):
                 assert time.monotonic() < deadline + 60, "the job did not finish:\n" + output()
                 look()
@@ -135,8 +122,8 @@ def test_sigkilled_worker_on_node_1_is_restarted_by_its_node_and_heals(tmp_path:
 
     assert "restarting worker 3 alone" in text, text
     assert token.read_text().startswith("multinode-ft-test")  # the user's file: not removed
-    assert {s: _pids(out, s) for s in (0, 1, 2)} == survivors  # never restarted
-    assert len(_pids(out, victim)) == 2, text  # restarted once, by node 1's launcher
+    assert {s: ft_pids(out, s) for s in (0, 1, 2)} == survivors  # never restarted
+    assert len(ft_pids(out, victim)) == 2, text  # restarted once, by node 1's launcher
     stats = (out / f"acc.{victim}").read_text()
     assert "heals=1" in stats and "world=4" in stats, stats
     states = [load_file(out / f"final.{s}.safetensors") for s in slots]

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import ft_pids, ft_progress
 from safetensors.torch import load_file
 from slurm_cluster import SlurmCluster, require_slurm
 
@@ -121,17 +122,6 @@ def test_requeued_job_resumes_bitwise(slurm: SlurmCluster, four_tasks: Path,
     assert all(_equal(ref_states[0], s) for s in states)
 
 
-def _ft_progress(out: Path, slot: int) -> int:
-    try:
-        return int((out / f"progress.{slot}").read_text() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _pids(out: Path, slot: int) -> list[int]:
-    return [int(p) for p in (out / f"pids.{slot}").read_text().split()]
-
-
 def test_srun_stratagem_run_fault_tolerant_heals_a_killed_worker(slurm: SlurmCluster,
                                                                   tmp_path: Path) -> None:
     """One launcher per node (`srun --ntasks-per-node=1 stratagem run --fault-tolerant`): a
@@ -144,10 +134,10 @@ def test_srun_stratagem_run_fault_tolerant_heals_a_killed_worker(slurm: SlurmClu
          "--timeout", "120"],
         env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: min(_ft_progress(tmp_path, s) for s in (0, 1)) >= 10, "step 10", 150,
+        _wait(lambda: min(ft_progress(tmp_path, s) for s in (0, 1)) >= 10, "step 10", 150,
               slurm)
-        survivor = _pids(tmp_path, 0)
-        os.kill(_pids(tmp_path, 1)[-1], signal.SIGKILL)
+        survivor = ft_pids(tmp_path, 0)
+        os.kill(ft_pids(tmp_path, 1)[-1], signal.SIGKILL)
         output, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -156,7 +146,7 @@ def test_srun_stratagem_run_fault_tolerant_heals_a_killed_worker(slurm: SlurmClu
     text = output.decode(errors="replace")
     assert proc.returncode == 0, text[-3000:]
     assert "restarting worker 1 alone" in text, text[-3000:]
-    assert _pids(tmp_path, 0) == survivor and len(_pids(tmp_path, 1)) == 2
+    assert ft_pids(tmp_path, 0) == survivor and len(ft_pids(tmp_path, 1)) == 2
     states = [load_file(tmp_path / f"final.{s}.safetensors") for s in (0, 1)]
     assert _equal(states[0], states[1])
     assert "heals=1" in (tmp_path / "acc.1").read_text()
