@@ -72,6 +72,7 @@ def _die_once_on_rank1(marker: str) -> dict[str, str]:
         while not Path(marker).exists() and time.monotonic() < end:
             time.sleep(0.05)
     return {"process": multiprocessing.current_process().name, "rank": os.environ["RANK"],
+            "parent": str(os.getppid()),
             "attempt": os.environ["TORCHELASTIC_RESTART_COUNT"]}
 
 
@@ -285,7 +286,35 @@ def test_fault_tolerant_launch_replaces_a_dead_worker_with_the_warm_spare(monkey
     pytest.importorskip("torchft")
     monkeypatch.setattr(launch_mod, "SPARE_DELAY", 0.5)
     monkeypatch.setattr(launch_mod, "SPARE_START_DELAY", 0.5)
+    from multiprocessing import forkserver
+
     results = launch(_die_once_on_rank1, nprocs=2, args=(str(tmp_path / "done"),),
                      fault_tolerant=True, max_restarts=1, timeout=100)
     assert results[0]["process"] == "stratagem-worker-0"
+    assert results[0]["parent"] == str(os.getpid())
+    # The spare was forked from the launcher's fork server (torch imported there once), and
+    # that server is stopped with the job.
+    spare_parent = results[1].pop("parent")
     assert results[1] == {"process": "stratagem-spare", "rank": "1", "attempt": "1"}
+    assert spare_parent != str(os.getpid())
+    assert forkserver._forkserver._forkserver_pid is None
+
+
+def test_the_spares_fork_server_is_stopped_by_the_last_job_only_if_launches_started_it(
+        monkeypatch):
+    from multiprocessing import forkserver
+
+    stops: list[int] = []
+    monkeypatch.setattr(forkserver._forkserver, "_stop", lambda: stops.append(1),
+                        raising=False)
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", None)
+    first, second = launch_mod._spare_context(), launch_mod._spare_context()
+    assert first.get_start_method() == "forkserver"
+    launch_mod._release_spare_context(first)
+    assert stops == []  # the second job still has spares (and workers) forked from it
+    launch_mod._release_spare_context(second)
+    assert stops == [1]
+    # A fork server the caller's process started itself is left running.
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 12345)
+    launch_mod._release_spare_context(launch_mod._spare_context())
+    assert stops == [1]

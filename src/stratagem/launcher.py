@@ -404,30 +404,52 @@ def _spare_main(assignments: Connection, result: Connection, parent_pid: int) ->
     _worker_main(fn, args, result, parent_pid, forked=forked)
 
 
+#: Jobs of this process using the spares' fork server, and whether this process's launches
+#: started it (only then do they stop it; a caller's own fork server is left alone).
+_SPARE_SERVER_LOCK = threading.Lock()
+_spare_server_users = 0
+_spare_server_ours = False
+
+
 def _spare_context() -> Any:
     """How warm spares start: forked from a fork server that imported :data:`SPARE_PRELOAD`
     once (on its first spare), instead of each spare being a fresh interpreter that imports
     torch, torchft and torch's compiler front end again: ~3.5 s of a core here, taken from
     the training processes each time a spare starts after a replacement. 'spawn' where
     there is no fork server. The server inherits the first spare's environment (every
-    spare's is the same) and runs until :func:`_stop_spare_server`."""
+    spare's is the same) and runs until the last job of this process that uses it calls
+    :func:`_release_spare_context` (its children die with it)."""
+    global _spare_server_users, _spare_server_ours
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(SPARE_PRELOAD))
+    with _SPARE_SERVER_LOCK:
+        if _spare_server_users == 0:
+            server = getattr(forkserver, "_forkserver", None)
+            _spare_server_ours = getattr(server, "_forkserver_pid", 0) is None
+        _spare_server_users += 1
+        if _spare_server_ours:
+            ctx.set_forkserver_preload(list(SPARE_PRELOAD))
     return ctx
 
 
-def _stop_spare_server(ctx: Any) -> None:
-    """Stop the fork server of :func:`_spare_context` (once no child of it is left: its
-    children die with it) so a caller's process does not keep an idle interpreter holding
+def _release_spare_context(ctx: Any) -> None:
+    """The end of a job that took :func:`_spare_context` (after every worker it forked has
+    stopped): the last such job of this process stops the fork server if this process's
+    launches started it, so a caller's process does not keep an idle interpreter holding
     torch, and the next job's server starts with that job's environment."""
+    global _spare_server_users
     if ctx.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
 
-    with contextlib.suppress(Exception):
-        forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    with _SPARE_SERVER_LOCK:
+        _spare_server_users -= 1
+        if _spare_server_users == 0 and _spare_server_ours:
+            with contextlib.suppress(Exception):
+                forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 def _spare_delay() -> float:
@@ -870,12 +892,12 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
     offset = node.node_rank * nprocs if node is not None else 0
     deadline = None if timeout is None else time.monotonic() + timeout
     ctx = mp.get_context("spawn")
-    spare_ctx = _spare_context() if fault_tolerant else ctx
     shards: PSShards | None = None
     quorum: Any = None
     sup: _Supervisor | None = None
     spares: list[_Spare] = []
     store = _job_store(node)
+    spare_ctx = _spare_context() if fault_tolerant else ctx  # released in the finally
     try:
         if num_ps:
             shards = start_ps_shards(num_ps)
@@ -1087,5 +1109,5 @@ def _launch(fn: Callable[..., Any], nprocs: int, num_ps: int, args: tuple[Any, .
         if quorum is not None:
             quorum.stop()
         if spare_ctx is not ctx:
-            _stop_spare_server(spare_ctx)
+            _release_spare_context(spare_ctx)
         del store
