@@ -26,7 +26,8 @@ demo: $(STAMP)
 
 # Two pytest workers (pytest-xdist), a test file each: launched-process tests spend much of
 # their time waiting (start-up, timeouts, restarts), so two at a time fit 2 cores. One quiet
-# run: 499 s of pytest, 1.7 cores busy; the last run one test at a time took 736 s.
+# run (ae9c47a): 820 s of pytest, 1.7 cores busy; tests/conftest.py starts the slowest files
+# first.
 # compileall first: the suite starts many processes (sg.launch, stratagem run, spawned ranks),
 # each importing stratagem and a test module. Where PYTHONDONTWRITEBYTECODE is set (as on
 # this project's machines) nothing caches their bytecode, so each process compiled them again.
