@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("torchft")
 
+from helpers import ft_pids  # noqa: E402
 from test_ft_processes import (  # noqa: E402
     _assert_bitwise_equal,
     _final,
     _finish,
-    _pids,
     _start,
     _wait_progress,
 )
@@ -34,13 +34,13 @@ def test_a_sigkilled_process_takes_its_replica_group_down_and_the_group_heals(tm
     proc = _start(tmp_path, "--strategy", "hierarchical_sharded", "--step-sleep", "0.01",
                   "--timeout", "120", min_replicas=2, nproc=4, group=2, steps=30)
     _wait_progress(tmp_path, [0, 1, 2, 3], 6, deadline=150)
-    survivors = {s: _pids(tmp_path, s) for s in (0, 1)}
-    os.kill(_pids(tmp_path, 3)[-1], signal.SIGKILL)
+    survivors = {s: ft_pids(tmp_path, s) for s in (0, 1)}
+    os.kill(ft_pids(tmp_path, 3)[-1], signal.SIGKILL)
     text = _finish(proc)
     assert "restarting worker 3 with its replica group 1" in text, text[-3000:]
     assert "restarting worker 2 with its replica group 1" in text, text[-3000:]
-    assert {s: _pids(tmp_path, s) for s in (0, 1)} == survivors
-    assert len(_pids(tmp_path, 2)) == 2 and len(_pids(tmp_path, 3)) == 2
+    assert {s: ft_pids(tmp_path, s) for s in (0, 1)} == survivors
+    assert len(ft_pids(tmp_path, 2)) == 2 and len(ft_pids(tmp_path, 3)) == 2
     states, accs = _final(tmp_path, 4)
     _assert_bitwise_equal(states)
     # The fault-free run of this data reaches 0.99 (synthetic clusters; the bar
