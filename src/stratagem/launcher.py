@@ -169,22 +169,22 @@ def _kill_tree(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def _die_with_parent(parent_pid: int, *, forked: bool = False) -> None:
-    """Ask Linux to SIGKILL us when the launching process dies, so a killed caller leaves no
-    orphans; a no-op where prctl is unavailable. ``forked``: our parent is the launcher's
-    fork server (warm spares, :func:`_spare_context`), which exits with the launcher."""
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when our parent dies, so a killed launcher (``parent_pid``)
+    leaves no orphans; a no-op where prctl is unavailable. Our parent is the launcher, or
+    for a warm spare the launcher's fork server (:func:`_spare_context`), which exits with
+    it."""
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if forked:
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:  # the launcher died before prctl took effect
-            os._exit(1)
-        except PermissionError:
-            pass
-    elif os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() == parent_pid:
+        return
+    try:  # a fork server's child, or the launcher died before prctl took effect
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
         os._exit(1)
+    except PermissionError:
+        pass
 
 
 # --------------------------------------------------------------------------- PS shards
@@ -344,9 +344,9 @@ def skip_final_collection() -> None:
 
 
 def _worker_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection,
-                 parent_pid: int, *, forked: bool = False) -> None:
+                 parent_pid: int) -> None:
     """Entry point of a spawned worker: run ``fn`` and send one pickled report back."""
-    _die_with_parent(parent_pid, forked=forked)
+    _die_with_parent(parent_pid)
     # Own process group so the supervisor can stop the worker's own children too.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
@@ -374,26 +374,23 @@ def _worker_main(fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
     skip_final_collection()
 
 
-#: What a warm spare imports before it waits (the fork server imports it once).
+#: What a warm spare imports before it waits (the fork server imports it once): torch,
+#: torch's compiler front end (a torch optimizer's constructor imports it, ~1 s), stratagem's
+#: strategies and torchft.
 SPARE_PRELOAD = ("torch", "torch._dynamo", "stratagem.strategy", "stratagem.ft.comm")
 
 
 def _spare_main(assignments: Connection, result: Connection, parent_pid: int) -> None:
     """Entry point of a warm spare (fault-tolerant jobs): import now what every worker
-    imports (torch, torch's compiler front end that a torch optimizer's constructor imports,
-    stratagem's strategies and torchft), then wait for the supervisor to hand it a dead
+    imports (:data:`SPARE_PRELOAD`), then wait for the supervisor to hand it a dead
     worker's place: ``(fn, args, env)`` through ``assignments`` (a pipe from the launching
     process: trusted), after which it is that worker. The job's end closes the pipe: exit."""
-    forked = os.getppid() != parent_pid  # a child of the fork server (_spare_context)
-    _die_with_parent(parent_pid, forked=forked)
-    with contextlib.suppress(Exception):
-        import torch
-        import torch._dynamo  # noqa: F401 - the first optimizer imports it (~1 s)
+    _die_with_parent(parent_pid)
+    import importlib
 
-        from . import strategy  # noqa: F401
-        from .ft import comm  # noqa: F401 - torchft
-
-        del torch
+    for name in SPARE_PRELOAD:  # already imported when forked from the fork server
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     try:
         fn, args, env = assignments.recv()
     except (EOFError, OSError):
@@ -401,7 +398,7 @@ def _spare_main(assignments: Connection, result: Connection, parent_pid: int) ->
     finally:
         assignments.close()
     os.environ.update(env)
-    _worker_main(fn, args, result, parent_pid, forked=forked)
+    _worker_main(fn, args, result, parent_pid)
 
 
 #: Jobs of this process using the spares' fork server, and whether this process's launches

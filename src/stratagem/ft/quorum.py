@@ -273,12 +273,14 @@ class VerifiedQuorumService:
         with self._cond:
             # Ids get here only once verified (here or by an admitted quorum request): a
             # known one is not proved again at every heartbeat (ten a second per replica).
-            known = replica_id in self._heartbeats
-        if known or self._key.id_ok(replica_id):
-            with self._cond:
+            if replica_id in self._heartbeats:
                 self._heartbeats[replica_id] = now
-        else:
-            with self._cond:
+                return b""
+        ok = self._key.id_ok(replica_id)
+        with self._cond:
+            if ok:
+                self._heartbeats[replica_id] = now
+            else:
                 self.refused += 1
         return b""
 
