@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "STALENESS_LR", "MAX_LR", "optimizer_spec", "validate_spec", "build_optimizer",
+__all__ = ["OPTIMIZERS", "STALENESS_LR", "OUTER_GRACE", "OUTER_STALENESS", "OUTER_ROUND",
+           "STALENESS_RULES",
+           "MAX_LR", "optimizer_spec", "validate_spec", "build_optimizer",
            "check_spec", "state_layout", "supports_sparse", "jsonable"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -40,6 +42,21 @@ _IGNORED = frozenset({"foreach", "fused", "capturable", "differentiable"})
 #: applied with ``lr / max(1, staleness)`` (staleness-aware async SGD, Zhang et al., IJCAI
 #: 2016). Carried in the spec so it travels, is validated and is checkpointed with the rest.
 STALENESS_LR = "staleness_lr"
+#: Not torch's: shard-side switches of the outer (asynchronous DiLoCo) rule, carried in the
+#: spec for the same reasons. ``outer_grace``: seconds after a round's first contribution
+#: when a waiting replica may close the round with fewer than ``min_contributions`` (None:
+#: never). ``outer_staleness``: how a contribution computed on an older model is weighted
+#: (:data:`STALENESS_RULES`).
+OUTER_GRACE = "outer_grace"
+OUTER_STALENESS = "outer_staleness"
+#: ``outer_round_samples``: the samples of a full round (replicas x period): a round's summed
+#: pseudo-gradients are divided by the larger of it and the samples they cover, so every
+#: sample moves the model by the same amount however the rounds are grouped (None: by the
+#: samples they cover, a plain weighted mean).
+OUTER_ROUND = "outer_round_samples"
+#: ``"inverse"``: weight ``1 / (1 + staleness)``; ``"none"``: no correction.
+STALENESS_RULES = ("inverse", "none")
+_SWITCHES = frozenset({STALENESS_LR, OUTER_GRACE, OUTER_STALENESS, OUTER_ROUND})
 
 
 #: Largest learning rate a shard accepts (at register, set_hyperparams and set_state). A
@@ -101,8 +118,23 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(flag, bool):
         raise ValueError(f"optimizer spec key {STALENESS_LR!r} must be true or false, got "
                          f"{flag!r}")
+    grace = spec.get(OUTER_GRACE)
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float))
+                              or not 0.0 <= float(grace) <= 86400.0):
+        raise ValueError(f"optimizer spec key {OUTER_GRACE!r} must be null or a number of "
+                         f"seconds in [0, 86400], got {grace!r}")
+    per_round = spec.get(OUTER_ROUND)
+    if per_round is not None and (isinstance(per_round, bool)
+                                  or not isinstance(per_round, (int, float))
+                                  or not 0.0 < float(per_round) <= 1e12):
+        raise ValueError(f"optimizer spec key {OUTER_ROUND!r} must be null or a number in "
+                         f"(0, 1e12], got {per_round!r}")
+    rule = spec.get(OUTER_STALENESS, "inverse")
+    if rule not in STALENESS_RULES:
+        raise ValueError(f"optimizer spec key {OUTER_STALENESS!r} must be one of "
+                         f"{list(STALENESS_RULES)}, got {rule!r}")
     hyper = {k: v for k, v in spec.items()
-             if k not in ("name", STALENESS_LR) and k not in _IGNORED}
+             if k != "name" and k not in _SWITCHES and k not in _IGNORED}
     unknown = sorted(set(hyper) - allowed)
     if unknown:
         raise ValueError(f"optimizer {spec['name']!r} has no hyperparameter(s) {unknown}; "

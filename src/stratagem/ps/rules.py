@@ -8,6 +8,12 @@ One :class:`Slot` per tensor holds its value, version, optimizer and lock. The r
 - **Synchronous replicas** (TensorFlow's ``SyncReplicasOptimizer``, ``mode="sync"``): the mean
   of ``replicas_to_aggregate`` gradients computed on the current version is applied; late
   ones are dropped.
+- **Outer rounds** (asynchronous DiLoCo, ``mode="outer"``): replicas send pseudo-gradients
+  ``theta_base - theta_i`` computed from any version; each is added to the round's sum with
+  weight ``samples * s(staleness)`` (:func:`staleness_weight`), and once
+  ``replicas_to_aggregate`` (``min_contributions``) have arrived, or a waiting replica closes
+  the round after its grace window, the sum divided by the samples is the gradient of one
+  outer optimizer step (:func:`contribute`, :func:`close_round`).
 - **Elastic exchange** (asynchronous EASGD, Zhang, Choromanska, LeCun 2015,
   ``mode="elastic"``): for a worker's ``x`` and moving rate ``a``, ``d = x - center;
   center += a * d``; the worker gets ``d``.
@@ -56,9 +62,10 @@ __all__ = ["MODES", "Slot", "refused", "is_int", "make_slot", "check_grad", "to_
            "apply_gradient", "offer", "offer_many", "elastic_exchange", "plan_hyperparameters",
            "apply_hyperparameters", "check_opt_state", "load_optimizer_state", "state_copies",
            "cost", "finite", "all_finite", "check_grads", "require_finite", "plain_sgd_lr",
+           "contribute", "close_round", "staleness_weight",
            "warm_up_optimizers", "narrows", "SLOT_OVERHEAD_BYTES", "FUSE_MIN_SLOTS"]
 
-MODES = ("async", "sync", "elastic")
+MODES = ("async", "sync", "elastic", "outer")
 
 
 @dataclass
@@ -75,6 +82,11 @@ class Slot:
     lock: threading.Lock = field(default_factory=threading.Lock)
     acc: torch.Tensor | None = None  # sync mode: sum of this version's gradients (float64)
     acc_count: int = 0
+    #: outer mode: the samples of this round's contributions (the divisor of the sum), when
+    #: its first contribution arrived (``time.monotonic()``), and contributions merged so far
+    acc_weight: float = 0.0
+    opened_at: float | None = None
+    merged: int = 0
     dropped: int = 0
     refused: int = 0  # steps refused because they would have made the tensor non-finite
     #: Plain SGD (no momentum, weight decay or maximize): its learning rate, for the fast
@@ -83,9 +95,10 @@ class Slot:
     sgd_lr: float | None = None
 
     def bump(self) -> None:
-        """A new version: the sync accumulator starts again."""
+        """A new version: the sync (or outer) accumulator starts again."""
         self.version += 1
         self.acc, self.acc_count = None, 0
+        self.acc_weight, self.opened_at = 0.0, None
 
 
 def refused(message: str, status: str = "INVALID_ARGUMENT") -> WireError:
@@ -403,9 +416,11 @@ def offer(slot: Slot, base: int | None, max_staleness: int | None,
 
     ``grad`` builds the gradient lazily so a dropped one costs nothing.
     """
-    if slot.mode == "elastic":
-        raise refused(f"tensor {slot.name!r} is registered for elastic averaging; it takes "
-                      "'elastic' exchanges, not gradient pushes", "FAILED_PRECONDITION")
+    if slot.mode in ("elastic", "outer"):
+        what = "elastic averaging" if slot.mode == "elastic" else "outer rounds"
+        op = "elastic" if slot.mode == "elastic" else "contribute"
+        raise refused(f"tensor {slot.name!r} is registered for {what}; it takes {op!r} "
+                      "calls, not gradient pushes", "FAILED_PRECONDITION")
     if base is None:
         raise refused(f"gradient for {slot.name!r} carries no base version")
     with slot.lock:
@@ -498,7 +513,8 @@ def state_copies(mode: str, spec: Any) -> int:
 def cost(value: torch.Tensor, mode: Any, spec: Any) -> int:
     """Bytes charged for a slot: its value, its optimizer state, the float64 sync
     accumulator, and :data:`SLOT_OVERHEAD_BYTES`."""
-    acc = value.numel() * 8 if str(mode) == "sync" and isinstance(spec, dict) else 0
+    acc = (value.numel() * 8 if str(mode) in ("sync", "outer") and isinstance(spec, dict)
+           else 0)
     return value.nbytes * (1 + state_copies(str(mode), spec)) + acc + SLOT_OVERHEAD_BYTES
 
 
@@ -596,3 +612,88 @@ def load_optimizer_state(slot: Slot, tensors: dict[str, torch.Tensor],
     group = {**slot.optimizer.param_groups[0]}
     group["params"] = [0]
     slot.optimizer.load_state_dict({"state": {0: state}, "param_groups": [group]})
+
+
+# ---------------------------------------------------------------------- outer rounds
+def staleness_weight(slot: Slot, staleness: int) -> float:
+    """How much a contribution computed ``staleness`` versions ago counts: ``1 / (1 +
+    staleness)`` under the ``"inverse"`` rule (the default: the staleness-aware learning rate
+    of Zhang, Gupta, Lian, Liu, IJCAI 2016, shifted so that a fresh contribution counts
+    fully), 1 under ``"none"``."""
+    rule = (slot.spec or {}).get(ps_optim.OUTER_STALENESS, "inverse")
+    return 1.0 / (1 + staleness) if rule == "inverse" else 1.0
+
+
+def _close(slot: Slot) -> str:
+    """Apply the round's merged pseudo-gradient (its weighted sum divided by the larger of its
+    samples and the spec's ``outer_round_samples``) as one outer optimizer step
+    and start the next round (caller holds the lock; the round has a contribution)."""
+    assert slot.acc is not None and slot.acc_weight > 0
+    full = (slot.spec or {}).get(ps_optim.OUTER_ROUND)
+    divisor = slot.acc_weight if full is None else max(slot.acc_weight, float(full))
+    merged = slot.acc.div_(divisor).to(slot.value.dtype)
+    if finite(merged) and apply_gradient(slot, merged):
+        status = "applied"
+    else:
+        if not finite(merged):
+            slot.refused += 1
+        status = "refused"
+    slot.merged += slot.acc_count
+    # A refused round still ends (the value unchanged): waiting replicas go on.
+    slot.bump()
+    return status
+
+
+def contribute(slot: Slot, base: int, samples: float, delta: Callable[[], torch.Tensor],
+               now: float) -> list[Any]:
+    """Outer mode: add one replica's pseudo-gradient (computed on version ``base``, covering
+    ``samples``) to the open round, weighted by ``samples * staleness_weight``; the round
+    closes (one outer step) when it holds ``replicas_to_aggregate`` contributions. Returns
+    ``[staleness, status, version]``: status "accumulated", "applied", "refused" (the step
+    would have made the tensor non-finite) or "dropped" (a base from the future)."""
+    with slot.lock:
+        staleness = slot.version - base
+        if staleness < 0:
+            slot.dropped += 1
+            return [staleness, "dropped", slot.version]
+        d = delta()
+        w = float(samples) * staleness_weight(slot, staleness)
+        if slot.acc is None:
+            slot.acc = d.to(torch.float64, copy=True).mul_(w)
+        else:
+            slot.acc.add_(d, alpha=w)
+        slot.acc_weight += float(samples)
+        slot.acc_count += 1
+        if slot.opened_at is None:
+            slot.opened_at = now
+        status = "accumulated"
+        if slot.acc_count >= slot.replicas_to_aggregate:
+            status = _close(slot)
+        return [staleness, status, slot.version]
+
+
+def close_round(slot: Slot, version: int, now: float, *, force: bool = False,
+                leaving: bool = False) -> list[Any]:
+    """Close the open round of version ``version`` early: once its grace window (the spec's
+    ``outer_grace`` seconds since its first contribution) has passed, or at once with
+    ``force`` (a replica's last contribution, so that nothing it trained stays unmerged).
+    Returns ``[status, version]``: "applied"/"refused" (closed now), "closed" (the version
+    already moved on), "empty" (no contribution yet) or "open" (the window has not passed).
+
+    ``leaving``: the caller has sent its last pseudo-gradient (it finished training), so later
+    rounds need one contribution fewer (at least 1), and an open round that is now full
+    closes: the replicas still training do not wait a grace window per round for one that
+    will not come."""
+    with slot.lock:
+        if leaving:
+            slot.replicas_to_aggregate = max(1, slot.replicas_to_aggregate - 1)
+            if 0 < slot.acc_count >= slot.replicas_to_aggregate:
+                return [_close(slot), slot.version]  # the open round is now full
+        if slot.version != version:
+            return ["closed", slot.version]
+        if slot.acc_count == 0 or slot.opened_at is None:
+            return ["empty", slot.version]
+        grace = (slot.spec or {}).get(ps_optim.OUTER_GRACE)
+        if not force and (grace is None or now - slot.opened_at < float(grace)):
+            return ["open", slot.version]
+        return [_close(slot), slot.version]

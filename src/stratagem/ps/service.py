@@ -3,8 +3,8 @@
 Lineage: TensorFlow's ``ps`` job. :class:`ShardService` holds the slots (one tensor, its
 optimizer, version and lock each: :mod:`stratagem.ps.rules`), the quota, and one method per
 operation of a :mod:`stratagem.ps.wire` message: ``health``, ``register``, ``pull``,
-``pull_rows``, ``push``, ``push_sparse``, ``elastic``, ``set_hyperparams``, ``get_state``,
-``set_state``, ``shutdown``, and ``wait_version`` as a plan (:meth:`ShardService.plan_wait`)
+``pull_rows``, ``push``, ``push_sparse``, ``elastic``, ``contribute``, ``close_round``,
+``set_hyperparams``, ``get_state``, ``set_state``, ``shutdown``, and ``wait_version`` as a plan (:meth:`ShardService.plan_wait`)
 whose waiting belongs to the transport. A request comes in as bytes or a decoded
 :class:`~stratagem.ps.wire.Message`; the answer leaves as encoded bytes, or as a refusal
 raised (:class:`~stratagem.ps.wire.WireError` with its gRPC status name), which
@@ -41,6 +41,7 @@ from stratagem.ps.rules import Slot
 from stratagem.ps.rules import is_int as _is_int
 from stratagem.ps.rules import refused as _err
 from stratagem.ps.wire import Entry, Message, WireError
+from stratagem.quantize import DEFAULT_BLOCK, QUANT_KINDS, dequantize, payload_bytes
 from stratagem.validation import check_int, check_number
 
 __all__ = ["Abort", "ShardService", "Throttle", "Wait", "field_float", "field_int",
@@ -205,7 +206,8 @@ class ShardService:
         self.ops: dict[str, Callable[[Message], bytes]] = {
             "health": self.health, "register": self.register, "pull": self.pull,
             "pull_rows": self.pull_rows, "push": self.push, "push_sparse": self.push_sparse,
-            "elastic": self.elastic, "set_hyperparams": self.set_hyperparams,
+            "elastic": self.elastic, "contribute": self.contribute,
+            "close_round": self.close_round, "set_hyperparams": self.set_hyperparams,
             "get_state": self.get_state, "set_state": self.set_state,
             "shutdown": self.shutdown,
         }
@@ -408,10 +410,11 @@ class ShardService:
         slots: list[Slot] = []
         for e in entries:
             slot = self.slot(e.name)
-            if slot.mode == "elastic":
-                raise _err(f"tensor {slot.name!r} is registered for elastic averaging; it "
-                           "takes 'elastic' exchanges, not gradient pushes",
-                           "FAILED_PRECONDITION")
+            if slot.mode in ("elastic", "outer"):
+                what, op = (("elastic averaging", "elastic") if slot.mode == "elastic"
+                            else ("outer rounds", "contribute"))
+                raise _err(f"tensor {slot.name!r} is registered for {what}; it takes {op!r} "
+                           "calls, not gradient pushes", "FAILED_PRECONDITION")
             if e.version is None:
                 raise _err(f"gradient for {slot.name!r} carries no base version")
             slots.append(slot)
@@ -629,6 +632,88 @@ class ShardService:
         self.on_change()
         return wire.encode("elastic", None, out)
 
+    def _outer_slot(self, name: str, op: str) -> Slot:
+        slot = self.slot(name)
+        if slot.mode != "outer":
+            raise _err(f"{op}: tensor {name!r} is registered in mode {slot.mode!r}, not "
+                       "'outer' (asynchronous DiLoCo)", "FAILED_PRECONDITION")
+        return slot
+
+    def contribute(self, msg: Message) -> bytes:
+        """Asynchronous DiLoCo: one replica's pseudo-gradients (each entry's version is the
+        model version it was computed on), covering ``samples``, in their own dtype, a
+        16-bit cast, or blockwise ``int8``/``int4`` (one uint8 payload per tensor, its size
+        checked against the tensor's before it is decoded). Everything is checked before
+        anything is added; ``fetch``: the reply carries the values after it."""
+        samples = field_float(msg.fields, "samples")
+        if not 0.0 < samples <= 1e12:
+            raise _err(f"contribute: samples must be a number in (0, 1e12], got {samples}")
+        kind = msg.fields.get("compression")
+        if kind not in _CONTRIBUTION_KINDS:
+            raise _err(f"contribute: compression must be one of {list(_CONTRIBUTION_KINDS)}, "
+                       f"got {kind!r}")
+        fetch = msg.fields.get("fetch", False)
+        if not isinstance(fetch, bool):
+            raise _err(f"contribute: fetch must be true or false, got {fetch!r}")
+        checked: list[tuple[Slot, int, torch.Tensor]] = []
+        for e in msg.entries:
+            slot = self._outer_slot(e.name, "contribute")
+            if e.version is None:
+                raise _err(f"pseudo-gradient for {slot.name!r} carries no base version")
+            if kind in QUANT_KINDS:
+                delta = _dequantized(slot, e.tensor, kind)
+            else:
+                rules.check_grad(slot, e.tensor, "pseudo-gradient")
+                delta = rules.to_slot_dtype(slot, e.tensor, "pseudo-gradient")
+            checked.append((slot, e.version, delta))
+        slots = [s for s, _, _ in checked]
+        if fetch:
+            self.check_reply("contribute", [(s.name, s.value.nbytes) for s in slots],
+                             extra=64 * len(slots))
+        now = time.monotonic()
+        results = [rules.contribute(slot, base, samples, functools.partial(_same, d), now)
+                   for slot, base, d in checked]
+        self._after_round(slots, [r[1] for r in results])
+        fields = {"results": results}
+        return (self.snapshot(slots, "contributed", fields) if fetch
+                else wire.encode("contributed", fields))
+
+    def close_round(self, msg: Message) -> bytes:
+        """Close the named tensors' open rounds of the given versions once their grace window
+        has passed (``force``: at once); ``fetch``: the reply carries the values after;
+        ``leaving``: the caller will send no more (later rounds need one fewer)."""
+        versions = msg.fields.get("versions")
+        if not isinstance(versions, dict) or not all(
+                isinstance(k, str) and _is_int(v) for k, v in versions.items()):
+            raise _err("close_round needs 'versions', an object of name -> integer")
+        force, fetch = msg.fields.get("force", False), msg.fields.get("fetch", False)
+        leaving = msg.fields.get("leaving", False)
+        if not all(isinstance(v, bool) for v in (force, fetch, leaving)):
+            raise _err("close_round: force, fetch and leaving must be true or false")
+        self.check_count("close_round", len(versions), False)
+        slots = [self._outer_slot(n, "close_round") for n in versions]
+        if fetch:
+            self.check_reply("close_round", [(s.name, s.value.nbytes) for s in slots],
+                             extra=64 * len(slots))
+        now = time.monotonic()
+        results = [rules.close_round(s, versions[s.name], now, force=force, leaving=leaving)
+                   for s in slots]
+        self._after_round(slots, [r[0] for r in results])
+        fields = {"results": results}
+        return (self.snapshot(slots, "closed", fields) if fetch
+                else wire.encode("closed", fields))
+
+    def _after_round(self, slots: Sequence[Slot], statuses: Sequence[str]) -> None:
+        """Wake the version waiters if a round closed; log a refused outer step."""
+        if any(st in ("applied", "refused") for st in statuses):
+            self.on_change()
+        for slot, st in zip(slots, statuses, strict=True):
+            if st == "refused":
+                self.throttle(f"refused:{slot.name}", logging.WARNING,
+                              f"parameter-server shard {self.address}: refused an outer step "
+                              f"of {slot.name!r} that would make it non-finite; it keeps its "
+                              f"last finite value ({slot.refused} refused so far)")
+
     def set_hyperparams(self, msg: Message) -> bytes:
         hyper = msg.fields.get("hyperparams")
         if not isinstance(hyper, dict) or "name" in hyper:
@@ -735,6 +820,28 @@ class ShardService:
     def shutdown(self, msg: Message) -> bytes:
         self.on_shutdown()
         return wire.encode("ok", {"stopping": True})
+
+
+#: What a ``contribute`` may carry: its own dtype, a 16-bit cast, or blockwise quantized.
+_CONTRIBUTION_KINDS = (None, "fp16", "bf16", *QUANT_KINDS)
+
+
+def _dequantized(slot: Slot, payload: torch.Tensor, kind: str) -> torch.Tensor:
+    """The fp32 pseudo-gradient of ``slot`` carried by a quantized ``payload`` (the tensor's
+    values padded to whole blocks): its size checked first, NaN or Inf refused after."""
+    n = slot.value.numel()
+    padded = -(-n // DEFAULT_BLOCK) * DEFAULT_BLOCK
+    want = payload_bytes(padded, kind)
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != want:
+        raise _err(f"{kind} pseudo-gradient for {slot.name!r} must be a 1-D uint8 payload of "
+                   f"{want} bytes ({n} values in blocks of {DEFAULT_BLOCK}), got "
+                   f"{tuple(payload.shape)} {payload.dtype}", "FAILED_PRECONDITION")
+    if not slot.value.is_floating_point():
+        raise _err(f"tensor {slot.name!r} is not floating point; it cannot take a quantized "
+                   "pseudo-gradient")
+    delta = dequantize(payload, kind, padded)[:n].reshape(slot.value.shape)
+    rules.require_finite(delta, f"pseudo-gradient for {slot.name!r}")
+    return rules.to_slot_dtype(slot, delta, "pseudo-gradient")
 
 
 class locked:

@@ -5,8 +5,9 @@
 partitioned: the tf_cnn_benchmarks variable manager, see :mod:`stratagem.ps.placement`) and
 offers the operations strategies need over that placement: Downpour SGD pushes and pulls
 (Dean et al. 2012), synchronous aggregation as in TensorFlow's ``SyncReplicasOptimizer``,
-sparse embedding rows, and the asynchronous EASGD elastic exchange (Zhang, Choromanska,
-LeCun 2015).
+sparse embedding rows, the asynchronous EASGD elastic exchange (Zhang, Choromanska,
+LeCun 2015), and asynchronous DiLoCo's outer rounds (:meth:`ShardedParameters.contribute`,
+:meth:`ShardedParameters.finish_round`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
 from stratagem.ps.transport import PSClient, PSFuture, RemoteError, Request, refused_request
 from stratagem.ps.wire import Entry, Message
 
-__all__ = ["ShardedParameters", "PushOutcome", "PushFetch"]
+__all__ = ["ShardedParameters", "PushOutcome", "PushFetch", "Contribution", "RoundEnd"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,28 @@ class PushFetch(NamedTuple):
     outcomes: dict[str, PushOutcome]  # per pushed tensor
     values: dict[str, torch.Tensor]  # per fetched tensor, after the push
     versions: dict[str, int]  # per fetched tensor, the version of ``values``
+
+
+class Contribution(NamedTuple):
+    """What the shards did with one replica's pseudo-gradients, per tensor part (its key):
+    the status ("accumulated", "applied", "refused", "dropped"), the staleness it was merged
+    with, and the part's version after it (the round it joined, unless it closed it)."""
+
+    statuses: dict[str, str]
+    staleness: dict[str, int]
+    versions: dict[str, int]
+
+
+class RoundEnd(NamedTuple):
+    """The model after the rounds a replica contributed to: values and (lowest part's)
+    version per tensor, the version of every part, whether this replica closed its round
+    early (1: grace window or force, else 0), and the seconds waited."""
+
+    values: dict[str, torch.Tensor]
+    versions: dict[str, int]
+    part_versions: dict[str, int]
+    closed_early: int
+    waited: float
 
 
 def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
@@ -112,8 +135,9 @@ class ShardedParameters:
                  replicas_to_aggregate: int = 1, max_staleness: int | None = None,
                  partitioner: Partitioner | None = None, small_tensor_bytes: int = 65536,
                  placement: str = "greedy", shared_memory: bool | None = None) -> None:
-        if mode not in ("async", "sync", "elastic"):
-            raise ValueError(f"mode must be 'async', 'sync' or 'elastic', got {mode!r}")
+        if mode not in ("async", "sync", "elastic", "outer"):
+            raise ValueError(f"mode must be 'async', 'sync', 'elastic' or 'outer', got "
+                             f"{mode!r}")
         if mode != "elastic" and optimizer_spec is None and not optimizer_specs:
             raise ValueError(f"mode {mode!r} needs optimizer_spec (e.g. "
                              "stratagem.ps.optim.optimizer_spec(torch_optimizer))")
@@ -162,6 +186,14 @@ class ShardedParameters:
     @property
     def names(self) -> list[str]:
         return list(self._shapes)
+
+    def part_versions(self, *, refresh: bool = False) -> dict[str, int]:
+        """The version of every part (by its key on the shards) of the values this worker last
+        received; ``refresh``: pull the values first."""
+        if refresh:
+            self.pull()
+        with self._vlock:
+            return {p.key: self._versions.get(p.key, -1) for p in self.placement.parts}
 
     @property
     def versions(self) -> dict[str, int]:
@@ -652,6 +684,141 @@ class ShardedParameters:
              [Entry(p.key, _rows(params[p.name].detach(), p)) for p in parts])
             for s, parts in sorted(self._by_shard(names).items())]
         return self.client.submit(reqs, lambda ms: self._assemble(ms, names)).result()
+
+    def contribute(self, deltas: Mapping[str, torch.Tensor], base_versions: Mapping[str, int],
+                   *, samples: float, compression: str | None = None,
+                   lost: Mapping[str, torch.Tensor] | None = None) -> Contribution:
+        """Asynchronous DiLoCo: send one replica's pseudo-gradients (``deltas``, computed on
+        the model whose parts had the versions ``base_versions``, by part key (as
+        :meth:`part_versions` returns them), covering ``samples``) to the rounds open on the shards
+        (mode "outer"). ``compression``: None, "bf16"/"fp16" (a cast) or "int8"/"int4"
+        (blockwise, each part quantized alone); with a quantized kind, ``lost[name]`` (fp32,
+        the tensor's shape) receives what quantization dropped, for error feedback."""
+        from stratagem.quantize import DEFAULT_BLOCK, QUANT_KINDS, quantize
+
+        check_compression(compression, name="compression",
+                          kinds=(None, "fp16", "bf16", *QUANT_KINDS))
+        reqs: list[Request] = []
+        order: list[list[Part]] = []
+        for shard, parts in sorted(self._by_shard(list(deltas)).items()):
+            entries: list[Entry] = []
+            for p in parts:
+                d = _rows(deltas[p.name].detach(), p)
+                base = int(base_versions[p.key])
+                if compression in QUANT_KINDS:
+                    flat = d.reshape(-1).float()
+                    pad = -flat.numel() % DEFAULT_BLOCK
+                    if pad:
+                        flat = torch.cat([flat, flat.new_zeros(pad)])
+                    payload = quantize(flat, compression)
+                    if lost is not None:
+                        from stratagem.quantize import dequantize
+
+                        back = dequantize(payload, compression, flat.numel())[:d.numel()]
+                        _rows(lost[p.name], p).copy_(d.float() - back.view(d.shape))
+                    entries.append(Entry(p.key, payload, base))
+                else:
+                    cdtype = KINDS[compression]
+                    entries.append(Entry(p.key, d if cdtype is None else d.to(cdtype), base))
+            reqs.append((shard, "contribute", {"samples": float(samples),
+                                               "compression": compression}, entries))
+            order.append(parts)
+
+        def finish(msgs: list[Message]) -> Contribution:
+            statuses: dict[str, str] = {}
+            staleness: dict[str, int] = {}
+            versions: dict[str, int] = {}
+            for parts, m in zip(order, msgs, strict=True):
+                for p, (stale, status, version) in zip(parts, m.fields["results"], strict=True):
+                    statuses[p.key], staleness[p.key], versions[p.key] = status, stale, version
+            return Contribution(statuses, staleness, versions)
+
+        return self.client.submit(reqs, finish).result()
+
+    def finish_round(self, joined: Contribution, *, grace: float | None, force: bool = False,
+                     leaving: bool = False, timeout: float | None = None) -> RoundEnd:
+        """Wait for the rounds ``joined`` left open to close (at most ``grace`` seconds, None:
+        until ``timeout``), then close those still open (their grace window has passed on the
+        shard's clock; ``force``: at once, without waiting) and fetch the newest values.
+        Raises :class:`stratagem.errors.PeerTimeoutError` when a round is still open after
+        ``timeout`` seconds (no grace window and too few contributions). ``leaving``: this
+        was the replica's last pseudo-gradient; later rounds need one fewer."""
+        wait = self.client.timeout if timeout is None else float(timeout)
+        t0 = time.monotonic()
+        deadline = t0 + wait
+        open_keys = {k: v for k, v in joined.versions.items()
+                     if joined.statuses[k] == "accumulated"}
+        if open_keys and not force:
+            limit = wait if grace is None else min(wait, float(grace))
+            self._wait_keys({k: v + 1 for k, v in open_keys.items()}, limit)
+        closed_early = 0
+        while True:
+            reqs: list[Request] = []
+            order: list[list[str]] = []
+            for shard, parts in sorted(self._by_shard(self.names).items()):
+                keys = [p.key for p in parts]
+                # -1 for a part whose round is not ours to close: only its value comes back.
+                versions = {k: int(open_keys.get(k, -1)) for k in keys}
+                reqs.append((shard, "close_round", {"versions": versions, "force": force,
+                                                    "leaving": leaving, "fetch": True}, ()))
+                order.append(keys)
+            leaving = False  # once per slot
+            msgs = self.client.submit(reqs, lambda ms: ms).result()
+            still: dict[str, int] = {}
+            for keys, m in zip(order, msgs, strict=True):
+                for k, (status, version) in zip(keys, m.fields["results"], strict=True):
+                    if status in ("applied", "refused") and k in open_keys:
+                        closed_early = 1
+                    elif status == "open":
+                        still[k] = version
+            if not still:
+                values = self._assemble(msgs, self.names)
+                seen = {e.name: int(e.version or 0) for m in msgs for e in m.entries}
+                versions_by_name = {n: min(seen[p.key] for p in self._parts[n])
+                                    for n in self.names}
+                return RoundEnd(values, versions_by_name, seen, closed_early,
+                                time.monotonic() - t0)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerTimeoutError(
+                    f"an outer round on the parameter-server shards stayed open for "
+                    f"{wait:g} s with fewer than min_contributions={self.replicas_to_aggregate} "
+                    "pseudo-gradients and no grace window to close it; check for dead "
+                    "replicas, lower min_contributions, or pass grace_window=")
+            open_keys = still
+            self._wait_keys({k: v + 1 for k, v in still.items()},
+                            remaining if grace is None else min(remaining, 0.5))
+
+    def leave_rounds(self) -> None:
+        """Tell the shards this replica sends no more pseudo-gradients (it finished training):
+        later rounds need one contribution fewer (at least 1)."""
+        reqs: list[Request] = [(shard, "close_round", {
+            "versions": {p.key: -1 for p in parts}, "leaving": True}, ())
+            for shard, parts in sorted(self._by_shard(self.names).items())]
+        self.client.submit(reqs, lambda ms: None).result()
+
+    def _wait_keys(self, goal: Mapping[str, int], timeout: float) -> bool:
+        """Wait until every part key reaches its version in ``goal``, at most ``timeout``
+        seconds; whether they did (nothing fetched)."""
+        by_shard: dict[int, list[str]] = {}
+        for k in goal:
+            by_shard.setdefault(self._part_by_key[k].shard, []).append(k)
+        deadline = time.monotonic() + timeout
+        while by_shard:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            shards = sorted(by_shard)
+            reqs: list[Request] = [(s, "wait_version", {
+                "timeout": remaining, "names": by_shard[s],
+                "min_versions": {k: goal[k] for k in by_shard[s]}, "fetch": []}, ())
+                for s in shards]
+            msgs = self.client.submit(reqs, lambda ms: ms,
+                                      timeout=remaining + self.client.timeout).result()
+            for s, m in zip(shards, msgs, strict=True):
+                if m.fields.get("reached"):
+                    del by_shard[s]
+        return True
 
     def wait_version(self, min_version: int, timeout: float | None = None, *,
                      names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:

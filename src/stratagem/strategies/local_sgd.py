@@ -20,15 +20,19 @@ gradients every step).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..compression import OUTER_KINDS, check_compression
 from ..parts import OuterStep, ParameterAveraging, Plan
+from ..parts.async_outer import ASYNC_KINDS, AsyncOuterStep
 from ..parts.outer import OuterOptimizerFactory
+from ..ps.addresses import shard_addresses
+from ..ps.optim import STALENESS_RULES
 from ..strategy import Strategy
-from ..validation import check_int, check_number
+from ..validation import check_choice, check_int, check_number, check_optional_number
 
 __all__ = ["LocalSGD", "DiLoCo"]
 
@@ -144,6 +148,25 @@ class DiLoCo(Strategy):
     Douillard et al., "Streaming DiLoCo with overlapping communication" (2025) use
     ``fragments`` > 1, a small ``sync_delay``, ``alpha`` 0.5 and 4-bit pseudo-gradients.
 
+    ``mode="async"`` (asynchronous, decoupled DiLoCo; :mod:`stratagem.parts.async_outer`):
+    the global model lives on parameter-server shards (``ps_addresses``, else
+    ``STRATAGEM_PS_ADDRS``; ``sg.launch(..., num_ps=1)`` / ``stratagem run --num-ps 1`` start
+    them), every replica sends its pseudo-gradient every ``period`` inner steps in the
+    background and keeps training, and the outer optimizer steps on the shards once a round
+    holds ``min_contributions`` pseudo-gradients (default: replicas - 1, at least 1) or a
+    waiting replica finds the round's ``grace_window`` (seconds since its first
+    pseudo-gradient; None: only full rounds) over. Each pseudo-gradient is weighted by the
+    inner steps it covers times ``1 / (1 + staleness)`` (``staleness="inverse"``; ``"none"``:
+    no correction), staleness being the rounds closed since the model it was computed on. A
+    replica moves onto the new global model when its round closes, keeping the steps taken
+    meanwhile; it waits only when that round is still open at its next pseudo-gradient.
+    ``compression``: None, "bf16", "fp16", "int8", "int4" (with error feedback); not
+    ``fragments``, ``sync_delay``, ``alpha`` or "topk". Each replica starts alone (a
+    restarted one from the newest global model): failures are survived by restarting the
+    dead replica (``max_restarts``), not by ``fault_tolerant=True``, which is refused.
+    Checkpoints hold the global model and the outer optimizer's state under synchronous
+    DiLoCo's names, so either mode restores the other's.
+
     On failure: a dead or stalled peer makes the outer all-reduce fail within ``timeout``
     seconds and ``optimizer.step()`` raises ``PeerTimeoutError`` naming it; resume from the
     last checkpoint. Memory: two extra copies of the parameters with the default outer optimizer
@@ -156,7 +179,38 @@ class DiLoCo(Strategy):
     def __init__(self, *, period: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  outer_optimizer: OuterOptimizerFactory | None = None, fragments: int = 1,
                  compression: str | None = None, pseudo_grad_dtype: str | None = None,
-                 sync_delay: int = 0, alpha: float = 0.0, **common: Any) -> None:
+                 sync_delay: int = 0, alpha: float = 0.0, mode: str = "sync",
+                 min_contributions: int | None = None, grace_window: float | None = 30.0,
+                 staleness: str = "inverse", ps_addresses: str | Sequence[str] | None = None,
+                 **common: Any) -> None:
+        check_choice("mode", mode, ("sync", "async"),
+                     fix="pass mode='sync' (all-reduce every period) or mode='async' (the "
+                         "global model on parameter-server shards, no replica waits)")
+        self.mode = mode
+        self.ps_addresses: list[str] = []
+        if mode == "async":
+            _check_async_arguments(fragments, compression, sync_delay, alpha, common)
+            if min_contributions is not None:
+                check_int("min_contributions", min_contributions, minimum=1,
+                          fix="pass the pseudo-gradients a round needs, e.g. replicas - 1")
+            check_optional_number("grace_window", grace_window, low=0.0, high=86400.0,
+                                  fix="pass seconds, e.g. grace_window=30, or None for rounds "
+                                      "that close only when full")
+            check_choice("staleness", staleness, STALENESS_RULES,
+                         fix="pass 'inverse' (weight 1 / (1 + staleness)) or 'none'")
+            self.ps_addresses = shard_addresses(ps_addresses, who="DiLoCo(mode='async')")
+        else:
+            for key, value, default in (("min_contributions", min_contributions, None),
+                                        ("grace_window", grace_window, 30.0),
+                                        ("staleness", staleness, "inverse"),
+                                        ("ps_addresses", ps_addresses, None)):
+                if value != default:
+                    raise ValueError(f"{key} only applies to mode='async', got {key}="
+                                     f"{value!r} with mode='sync'. Fix: drop {key}, or pass "
+                                     "mode='async'")
+        self.min_contributions = min_contributions
+        self.grace_window = None if grace_window is None else float(grace_window)
+        self.staleness = staleness
         self.period = check_int(
             "period", period, minimum=1,
             fix="pass the number of inner steps between outer steps, e.g. 500")
@@ -215,6 +269,34 @@ class DiLoCo(Strategy):
 
     def plan(self) -> Plan:
         factory = self.outer_optimizer or self.default_outer_optimizer
+        if self.mode == "async":
+            return Plan(AsyncOuterStep.spec(
+                period=self.period, outer_optimizer=factory, compression=self.compression,
+                min_contributions=self.min_contributions, grace_window=self.grace_window,
+                staleness=self.staleness, ps_addresses=self.ps_addresses,
+                timeout=self.timeout))
         return Plan(OuterStep.spec(period=self.period, outer_optimizer=factory,
                                    fragments=self.fragments, compression=self.compression,
                                    sync_delay=self.sync_delay, alpha=self.alpha))
+
+
+def _check_async_arguments(fragments: int, compression: str | None, sync_delay: int,
+                           alpha: float, common: dict[str, Any]) -> None:
+    """Refuse what asynchronous DiLoCo does not do, naming the fix."""
+    for key, value, default in (("fragments", fragments, 1), ("sync_delay", sync_delay, 0),
+                                ("alpha", alpha, 0.0)):
+        if value != default:
+            raise ValueError(f"DiLoCo(mode='async') sends whole-model pseudo-gradients, "
+                             f"got {key}={value!r}. Fix: drop {key} (streaming DiLoCo is "
+                             "mode='sync')")
+    if compression not in ASYNC_KINDS:
+        raise ValueError(f"DiLoCo(mode='async') takes compression in {list(ASYNC_KINDS)}, "
+                         f"got {compression!r}. Fix: pass one of those ('topk' is "
+                         "mode='sync' only)")
+    if common.get("fault_tolerant"):
+        raise ValueError("DiLoCo(mode='async') is fault tolerant by construction: a dead "
+                         "replica costs only its own work and a restarted one starts from "
+                         "the newest global model; got fault_tolerant=True, which needs "
+                         "synchronous collectives. Fix: drop fault_tolerant and restart "
+                         "failed replicas (stratagem run --max-restarts N, "
+                         "sg.launch(max_restarts=N))")
