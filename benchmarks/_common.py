@@ -134,11 +134,12 @@ def finish_worker(cfg: dict[str, Any], ctrl: Any, strategy: Any, result: dict[st
 def run_evaluator(cfg: dict[str, Any], build: Callable[[], tuple[Any, Any, Any]],
                   score: Callable[[Any, Any], float], hit: Callable[[float], bool],
                   stop: Callable[[dict[str, Any] | None, float], bool], *,
-                  metric: str) -> None:
+                  metric: str, stop_mean: float | None = None) -> None:
     """The evaluator process of an asynchronous job: once every worker is ready, ``build()``
     a strategy instance that never steps, then each time the workers' mean step count
     crosses a multiple of ``eval_every`` record ``score(strategy, model)``; the first score
-    for which ``hit`` is true is ``reached``; ``stop(reached, wall)`` sets the stop key. Writes
+    for which ``hit`` is true is ``reached``; ``stop(reached, wall)``, or the mean step count
+    reaching ``stop_mean`` (a budget of samples), sets the stop key. Writes
     ``evaluator.json`` (``curve``, ``final_<metric>``, ``reached``) and exits."""
     world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
     every = int(cfg["eval_every"])
@@ -164,7 +165,7 @@ def run_evaluator(cfg: dict[str, Any], build: Callable[[], tuple[Any, Any, Any]]
             next_at = (math.floor(mean / every) + 1) * every
             if reached is None and hit(value):
                 reached = {"wall": wall, "step": mean, metric: value}
-            if stop(reached, wall):
+            if stop(reached, wall) or (stop_mean is not None and mean >= stop_mean):
                 store.set(f"{_TAG}stop", "1")
                 break
         if done:

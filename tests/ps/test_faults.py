@@ -64,7 +64,7 @@ def test_silent_shard_raises_within_deadline() -> None:
         assert 1.5 < elapsed < 2.0 + 5.0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_server_process_port_file_and_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -73,7 +73,9 @@ def test_server_process_port_file_and_sigterm(tmp_path: Path) -> None:
                              "--port", "0", "--port-file", str(port_file)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
+        # Generous: a fresh interpreter importing torch and grpc took over 30 s once on this
+        # 2-core machine under a load of ~8 (the suite beside other test runs).
+        deadline = time.monotonic() + 90
         while not port_file.exists():
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
             assert time.monotonic() < deadline, "shard did not write its port file"
