@@ -383,3 +383,39 @@ def test_gradient_pushes_to_outer_tensors_are_refused():
     slot = _slot(1)
     with pytest.raises(Exception, match="takes 'contribute' calls"):
         rules.offer(slot, 0, None, lambda: torch.zeros(2))
+
+
+# ---------------------------------------------------------------------- a lost syncer
+def test_a_lost_shard_is_reseeded_by_the_replicas_without_losing_committed_rounds(
+        monkeypatch):
+    from stratagem.ps.server import ShardServer
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    server = ShardServer("127.0.0.1", 0)
+    server.start()
+    port = int(server.address.rsplit(":", 1)[1])
+    data = make_data()
+    s = sg.DiLoCo(mode="async", period=2, min_contributions=1, ps_addresses=[server.address],
+                  comm=sg.Comm.single(), timeout=10)
+
+    def versions() -> dict[str, int]:
+        with PSClient([f"127.0.0.1:{port}"], timeout=10) as client:
+            return client.health()[0]["versions"]
+
+    try:
+        model, opt = _prepared(s)
+        _loop(s, model, opt, data, 8)  # 4 rounds of one pseudo-gradient each
+        _settle(s, model)
+        committed = min(versions().values())
+        assert committed >= 3
+        server.stop(0)  # the syncer is lost with everything it held ...
+        server = ShardServer("127.0.0.1", port)  # ... and a new, empty one starts there
+        server.start()
+        _loop(s, model, opt, (data[0][128:], data[1][128:]), 4)
+        s.finalize(model)
+        assert s.metrics()["outer_shard_recoveries"] >= 1
+        # The replica seeded the new shard with the newest model it held: no round lost.
+        assert min(versions().values()) >= committed + 1
+    finally:
+        s.close()
+        server.stop(0)

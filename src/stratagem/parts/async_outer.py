@@ -41,6 +41,7 @@ quorum and a grace window; Zhang et al., IJCAI 2016, on the staleness-aware rate
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -115,10 +116,14 @@ class AsyncOuterStep(Part):
     replica, checkpointed under synchronous DiLoCo's names).
 
     On failure: a replica that dies loses only its pseudo-gradient in flight and the inner
-    steps since the last one; a (re)started replica starts from the newest global model. An
-    unreachable shard raises ``ParameterServerUnavailable`` naming it within ``timeout``; a
-    round still open after ``timeout`` (too few replicas and no grace window) raises
-    ``PeerTimeoutError`` at the next pseudo-gradient.
+    steps since the last one; a (re)started replica starts from the newest global model. A
+    shard that is lost (unreachable, or restarted empty at its address) is seeded again by
+    every replica with the newest global model it holds (``set_state(if_newer=True)``: the
+    newest copy wins), so no round a live replica has received is lost; the outer optimizer's
+    state (momentum) starts again from zero, and the pseudo-gradients of the open round are
+    sent again. A shard still unreachable after ``timeout`` raises
+    ``ParameterServerUnavailable`` naming it; a round still open after ``timeout`` (too few
+    replicas and no grace window) raises ``PeerTimeoutError`` at the next pseudo-gradient.
 
     Memory: one copy of the model (the global model last received) and, while a
     pseudo-gradient is in flight, one more (the tensors as sent) plus the pseudo-gradient;
@@ -152,6 +157,7 @@ class AsyncOuterStep(Part):
         self.closed_early = 0
         self.staleness_sum = 0
         self.max_staleness = 0
+        self.recoveries = 0  # times this replica re-seeded a lost shard
 
     @classmethod
     def capabilities(cls, config: Mapping[str, Any]) -> frozenset[str]:
@@ -255,23 +261,51 @@ class AsyncOuterStep(Part):
         lost = ({k: torch.empty_like(d) for k, d in deltas.items()}
                 if st.residual is not None else None)
         future = self._pool.submit(self._round, st.table, deltas, dict(st.base_versions),
-                                   st.since, lost, force, leaving)
+                                   st.since, lost, force, leaving, list(st.base))
         st.flight = _Flight(future, sent, lost)
         st.since = 0
         self.sent += 1
 
     def _round(self, table: ShardedParameters, deltas: dict[str, torch.Tensor],
                base_versions: dict[str, int], samples: int,
-               lost: dict[str, torch.Tensor] | None, force: bool, leaving: bool
-               ) -> tuple[Contribution, RoundEnd]:
+               lost: dict[str, torch.Tensor] | None, force: bool, leaving: bool,
+               base: Sequence[torch.Tensor]) -> tuple[Contribution, RoundEnd]:
         """On the background thread: contribute, then wait for the round (at most the grace
         window), close it if its window is over (``force``, the last one: at once, and later
         rounds need one pseudo-gradient fewer) and fetch the model."""
-        joined = table.contribute(deltas, base_versions, samples=samples,
-                                  compression=self.compression, lost=lost)
-        end = table.finish_round(joined, grace=self.grace_window, force=force, leaving=leaving,
-                                 timeout=self.timeout)
-        return joined, end
+        from ..errors import ParameterServerUnavailable
+        from ..ps.transport import RemoteError
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                joined = table.contribute(deltas, base_versions, samples=samples,
+                                          compression=self.compression, lost=lost)
+                end = table.finish_round(joined, grace=self.grace_window, force=force,
+                                         leaving=leaving, timeout=self.timeout)
+                return joined, end
+            except (ParameterServerUnavailable, RemoteError) as exc:
+                lost_shard = (isinstance(exc, ParameterServerUnavailable)
+                              or exc.code == "NOT_FOUND")
+                if not lost_shard or time.monotonic() > deadline:
+                    raise
+            # A shard was lost (unreachable, or restarted empty): seed it again with the
+            # newest global model this replica holds. Every replica does so; the newest copy
+            # wins (if_newer), so no round a live replica has seen is lost. Then send again
+            # (the new shard never saw this pseudo-gradient).
+            time.sleep(0.2)
+            with contextlib.suppress(ParameterServerUnavailable, RemoteError):
+                self._reseed(table, base, base_versions)
+
+    def _reseed(self, table: ShardedParameters, base: Sequence[torch.Tensor],
+                base_versions: Mapping[str, int]) -> None:
+        by_name: dict[str, int] = {}
+        for p in table.placement.parts:
+            v = int(base_versions.get(p.key, 0))
+            by_name[p.name] = min(v, by_name.get(p.name, v))
+        table.set_state({"params": dict(zip(table.names, base, strict=True)),
+                         "versions": by_name}, if_newer=True)
+        self.recoveries += 1
 
     def _land(self, st: _State, *, counted: bool = False) -> None:
         """Move onto the global model the flight's round produced, keeping the inner steps
@@ -423,6 +457,7 @@ class AsyncOuterStep(Part):
                 "outer_closed_early": self.closed_early,
                 "outer_mean_staleness": self.staleness_sum / max(1, self.landed),
                 "outer_max_staleness": self.max_staleness,
+                "outer_shard_recoveries": self.recoveries,
                 "min_contributions": self.min_contributions, **self.ps.metrics()}
 
     def close(self) -> None:

@@ -757,6 +757,12 @@ class ShardService:
         metas = msg.fields.get("slots")
         if not isinstance(metas, list):
             raise _err("set_state needs a 'slots' list")
+        # if_newer: a slot the shard already holds at this version or a newer one is kept (a
+        # replica re-seeding a restarted shard with the newest model it holds: the newest of
+        # the replicas' copies wins, whatever the order they arrive in).
+        if_newer = msg.fields.get("if_newer", False)
+        if not isinstance(if_newer, bool):
+            raise _err(f"set_state: if_newer must be true or false, got {if_newer!r}")
         n = len(msg.entries)
         used: set[int] = set()
 
@@ -783,6 +789,9 @@ class ShardService:
                 names.add(name)
                 value = take(m.get("param"), f"param of {name!r}")
                 old = self.slots.get(name)
+                if if_newer and old is not None and old.version >= (
+                        field_int(m, "version", 0) or 0):
+                    continue
                 if old is not None and (old.value.shape != value.shape
                                         or old.value.dtype != value.dtype):
                     raise _err(f"set_state: tensor {name!r} is registered with shape "

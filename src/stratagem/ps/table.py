@@ -950,8 +950,9 @@ class ShardedParameters:
             opt[n] = state
         return {"params": params, "optimizer": opt, "versions": versions}
 
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`get_state` output (from any placement) onto the shards."""
+    def set_state(self, state: Mapping[str, Any], *, if_newer: bool = False) -> None:
+        """Restore :meth:`get_state` output (from any placement) onto the shards; with
+        ``if_newer`` a part the shard holds at the same or a newer version is kept."""
         params = state["params"]
         opt = state.get("optimizer", {})
         versions = state.get("versions", {})
@@ -979,7 +980,7 @@ class ShardedParameters:
                     meta["opt"][k] = len(entries)
                     entries.append(Entry(f"{p.key}.{k}", _rows(t, p) if rowwise else t))
                 metas.append(meta)
-            reqs.append((shard, "set_state", {"slots": metas}, entries))
+            reqs.append((shard, "set_state", {"slots": metas, "if_newer": if_newer}, entries))
         self.client.submit(reqs, lambda ms: None).result()
         with self._vlock:
             for n, parts in self._parts.items():
