@@ -219,7 +219,8 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
 def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, Any], *,
             workers: int, sync: bool, needs_ps: bool, topo: Any, timeout: float,
             run_timeout: float, nnodes: int | None = None,
-            job_env: dict[str, str] | None = None, ps_shards: int = 1
+            job_env: dict[str, str] | None = None, ps_shards: int = 1,
+            kill_every: float | None = None, kill_seed: int = 0
             ) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
     """One job of ``script``: ``workers`` processes ``script --worker CFG`` (rank r in
     namespace r, or r // (workers // nnodes) with ``nnodes``; loopback when ``topo`` is None),
@@ -230,7 +231,15 @@ def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, A
     environment. Returns ``(out, chief, ranks)``: ``out`` is ``header`` plus ``job_seconds``
     and ``error`` (and ``log_tail`` when the job failed or left no result); ``chief`` is worker
     0's result merged with the evaluator's (None when the job failed); ``ranks`` the workers'
-    results that exist."""
+    results that exist.
+
+    ``kill_every`` (asynchronous jobs whose workers restart alone): every that many seconds a
+    random live worker is SIGKILLed and started again at once (``TORCHELASTIC_RESTART_COUNT``
+    counts its attempts); ``out["kills"]`` says how many. For an asynchronous job with shards
+    ``out["merged_samples"]`` is the shards' count of samples merged into the global model
+    (asynchronous DiLoCo), read before they stop."""
+    import random
+
     from torch.distributed import TCPStore
 
     from stratagem.launcher import child_pythonpath, start_ps_shards, worker_env
@@ -245,6 +254,9 @@ def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, A
                      timeout=timedelta(seconds=timeout))
     shards = None
     procs: list[subprocess.Popen[bytes]] = []
+    starts: list[tuple[list[str], dict[str, str], Any]] = []
+    kills = 0
+    merged_samples = None
     logs = []
     t0 = time.perf_counter()
     error = None
@@ -277,11 +289,39 @@ def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, A
                 argv = [*argv0, "--evaluator"]
             log = open(run_dir / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
+            starts.append(([*argv, str(cfg_path)], env, log))
             procs.append(subprocess.Popen([*argv, str(cfg_path)], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + run_timeout
-        while any(p.poll() is None for p in procs):
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        rng = random.Random(kill_seed)
+        # The kill clock starts once every worker (and the evaluator) is ready to train.
+        next_kill = math.inf
+        ready = [f"{_TAG}ready/{r}" for r in range(W if sync else W + 1)]
+        killed: set[int] = set()
+        while any(p.poll() is None for p in procs) or killed:
+            if kill_every is not None and next_kill == math.inf and store.check(ready):
+                next_kill = time.monotonic() + kill_every
+            if next_kill < math.inf and store.check([f"{_TAG}stop"]):
+                next_kill = -math.inf  # the run is ending: no more kills
+            if time.monotonic() >= next_kill > -math.inf:
+                alive = [r for r in range(W) if procs[r].poll() is None]
+                if alive:
+                    victim = rng.choice(alive)
+                    _kill_group(procs[victim], signal.SIGKILL)
+                    killed.add(victim)
+                    kills += 1
+                next_kill += kill_every
+            for r in sorted(killed):
+                if procs[r].poll() is not None:  # the killed worker is gone: start it again
+                    killed.discard(r)
+                    argv_r, env_r, log_r = starts[r]
+                    env_r["TORCHELASTIC_RESTART_COUNT"] = str(
+                        int(env_r.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1)
+                    procs[r] = subprocess.Popen(argv_r, env=env_r, stdout=log_r,
+                                                stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)
+                   and r not in killed]
             if bad:
                 error = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
                 break
@@ -298,12 +338,19 @@ def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, A
         for log in logs:
             log.close()
         if shards is not None:
+            if not sync:
+                try:
+                    merged_samples = _merged_samples(shards.addresses, shards.token)
+                except Exception as exc:  # noqa: BLE001 - reported, the run's result stands
+                    merged_samples = None
+                    print(f"could not read the shard's merged samples: {exc}", flush=True)
             shards.stop()
         del store
     job_seconds = time.perf_counter() - t0
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(W)
              if (run_dir / f"rank{r}.json").exists()]
-    out: dict[str, Any] = {**header, "job_seconds": job_seconds, "error": error}
+    out: dict[str, Any] = {**header, "job_seconds": job_seconds, "error": error,
+                           "kills": kills, "merged_samples": merged_samples}
     evaluator = run_dir / ("rank0.json" if sync else "evaluator.json")
     if error is not None or not ranks or ranks[0]["rank"] != 0 or not evaluator.exists():
         texts = [(run_dir / f"rank{r}.log").read_text(errors="replace")
@@ -314,6 +361,17 @@ def run_job(script: str, run_dir: Path, cfg: dict[str, Any], header: dict[str, A
             if r and ("Error" in t or "Traceback" in t))
         return out, None, ranks
     return out, {**ranks[0], **json.loads(evaluator.read_text())}, ranks
+
+
+def _merged_samples(addresses: list[str], token: str | None) -> float:
+    """The samples (inner steps) asynchronous DiLoCo's shards merged into the global model
+    (the largest count over shards: every pseudo-gradient covers every shard's tensors)."""
+    from stratagem.ps.transport import PSClient
+
+    # The shard sits on the benchmark's private bridge (see the workers' environment above).
+    os.environ["STRATAGEM_PS_ALLOW_PLAINTEXT"] = "1"
+    with PSClient(addresses, token=token, timeout=10) as client:
+        return max(float(h.get("outer_merged_samples", 0.0)) for h in client.health())
 
 
 def shaped_links_usable(links: list[str], notes: list[str]) -> bool:

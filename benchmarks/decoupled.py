@@ -12,7 +12,18 @@ correction off: the ablation).
 Cases (``--cases``): ``equal`` (every replica as fast as the machine lets it); ``slow``
 (replica 3 sleeps twice its measured compute per step after each step, so it runs ~3x
 slower; one torch thread per replica; the synchronous rows are slowed the same way in the
-same run).
+same run); ``kills`` (every ``--kill-every`` 15 s a random replica is SIGKILLed and started
+again at once; its replacement starts from the newest global model) and ``slow+kills``,
+asynchronous rows only (a synchronous row survives a SIGKILL only with
+``fault_tolerant=True``, measured by ``benchmarks/ft_kills.py``), over a budget of
+``--kill-steps`` steps, long enough for at least 5 kills. Asynchronous replicas share no
+process group (``comm=sg.Comm.single()``, as a replica restarted alone must): each draws
+batches of global batch / 4 sequences from its own shuffle.
+
+Goodput (asynchronous rows): the inner steps whose pseudo-gradient was merged into the global
+model (the shard counts them) over the inner steps the replicas trained, every attempt's
+counted (a killed replica's steps since its last merged pseudo-gradient are lost; so is what
+was in flight when the budget ended).
 
 Measured per run: the wall time until the global model (``eval_model``) reaches validation
 loss ``--target`` (2.8), the validation loss after a fixed budget of samples (``--max-steps``
@@ -22,8 +33,7 @@ bytes per outer step (per step for Mirrored) as worker 0's strategy counts them,
 asynchronous rows the rounds' staleness and how often a replica waited for its round.
 Synchronous rows are scored by worker 0 every ``--eval-every`` steps (the pause excluded from
 the wall); asynchronous rows by an evaluator process beside the shard, nobody pausing (the
-wall is real time). Not measured here yet: the SIGKILL cases (a random replica killed every
-15 s) — see the closing notes of issue 40.
+wall is real time).
 
 Writes ``benchmarks/results/decoupled.{json,md}``.
 """
@@ -61,7 +71,9 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "diloco-async-nostale": ("diloco", {**_ASYNC, "staleness": "none"}, True, False),
 }
 QUICK_STRATEGIES = ["diloco-async", "diloco"]
-CASES = ("equal", "slow")
+#: "kills" and "slow+kills" run the asynchronous rows only: a synchronous row survives a
+#: SIGKILL only with fault_tolerant=True (torchft's quorum; benchmarks/ft_kills.py).
+CASES = ("equal", "slow", "kills", "slow+kills")
 SLOW_FACTOR = 3.0  # the slow replica's step time over its compute time
 
 
@@ -98,15 +110,31 @@ def worker_main(cfg_path: str) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = float(cfg["timeout"])
     ctrl = common._store(timeout)
-    strategy, model, optimizer = lm._build(cfg)
+    sync = bool(cfg["sync"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # Asynchronous replicas share no process group (each restarts alone): each draws its own
+    # batches of global_batch / world sequences from its own shuffle.
+    import stratagem as sg
+
+    strategy, model, optimizer = lm._build(cfg) if sync else lm._build(
+        cfg, comm=sg.Comm.single())
+    built = strategy.metrics()  # start-up traffic (registration, the first pull): left out
+    setup_bytes = built["bytes_sent"] + built["bytes_received"]
     X, Y, Xv, Yv = lm._data(cfg)
-    slow = cfg["case"] == "slow" and rank == world - 1
+    slow = cfg["case"].startswith("slow") and rank == world - 1
     pause = (SLOW_FACTOR - 1.0) * _compute_seconds(cfg, X, Y, world) if slow else 0.0
-    loader = strategy.distribute_dataset((X, Y), int(cfg["global_batch"]), shuffle=True,
-                                         seed=int(cfg["seed"]))
-    sync, every, target = bool(cfg["sync"]), int(cfg["eval_every"]), float(cfg["target"])
+    batch = int(cfg["global_batch"]) if sync else int(cfg["global_batch"]) // world
+    loader = strategy.distribute_dataset((X, Y), batch, shuffle=True,
+                                         seed=int(cfg["seed"]) * 1000 + (0 if sync else rank))
+    every, target = int(cfg["eval_every"]), float(cfg["target"])
     max_steps, lr, max_wall = int(cfg["max_steps"]), float(cfg["lr"]), float(cfg["max_wall"])
+    # A restarted replica counts on from its previous attempts' steps (they were trained,
+    # and what they sent after their last merged pseudo-gradient is lost: goodput).
+    key = f"{common._TAG}step/{rank}"
+    before = int(ctrl.get(key)) if attempt and ctrl.check([key]) else 0
     progress = common.start_together(ctrl, rank, world, sync, timeout)
+    if progress is not None:
+        progress.step = before
     start = time.perf_counter()
     paused = 0.0
     curve: list[tuple[float, float, float]] = []
@@ -137,7 +165,7 @@ def worker_main(cfg_path: str) -> int:
     # Asynchronous replicas stop when the evaluator says the budget is spent (their mean
     # step count); the cap only bounds a run whose evaluator died.
     cap = max_steps if sync else 4 * max_steps
-    step, stop, epoch = 0, False, 0
+    step, stop, epoch = before, False, attempt * 1000
     while not stop and step < cap:
         loader.set_epoch(epoch)
         for x, y in loader:
@@ -160,10 +188,11 @@ def worker_main(cfg_path: str) -> int:
         epoch += 1
     end_wall = time.perf_counter() - start - paused
     metrics = strategy.metrics()
-    moved = metrics["bytes_sent"] + metrics["bytes_received"] - eval_bytes
+    moved = metrics["bytes_sent"] + metrics["bytes_received"] - eval_bytes - setup_bytes
     outer = metrics.get("outer_sent") or metrics.get("outer_steps") or 0
     result: dict[str, Any] = {
-        "rank": rank, **common.traffic(metrics, end_wall),
+        "rank": rank, **common.traffic(metrics, end_wall), "trained_steps": step,
+        "attempts": attempt + 1,
         "bytes_per_outer_step": moved / outer if outer else None,
         "outer_steps": outer, "slow_pause": pause,
         "outer_waits": metrics.get("outer_waits"),
@@ -213,18 +242,28 @@ def run_once(key: str, link: str, seed: int, topo: Any, args: argparse.Namespace
            "max_steps": args.max_steps, "max_wall": args.max_wall, "timeout": args.timeout,
            "result_dir": str(run_dir), "model": lm.MODEL, "lr": lm.LR,
            "global_batch": lm.GLOBAL_BATCH}
+    kills = "kills" in case
+    if kills:
+        cfg["max_steps"] = args.kill_steps
     out, chief, ranks = common.run_job(
         str(Path(__file__).resolve()), run_dir, cfg,
         {"strategy": key, "row": row, "case": case, "link": link, "seed": seed,
          "strategy_args": strategy_args},
         workers=args.workers, sync=sync, needs_ps=needs_ps, topo=topo, timeout=args.timeout,
-        run_timeout=args.run_timeout)
+        run_timeout=args.run_timeout, kill_every=args.kill_every if kills else None,
+        kill_seed=seed)
     if chief is None:
         return out
     out.update({k: chief.get(k) for k in ("curve", "final_val_loss", "reached", "steps",
                                            "wall_seconds", "bytes_per_step",
                                            "bytes_per_outer_step", "num_parameters")})
-    out["worker_steps"] = [r["steps"] for r in ranks]
+    out["worker_steps"] = [r["trained_steps"] for r in ranks]
+    out["attempts"] = [r["attempts"] for r in ranks]
+    trained = sum(out["worker_steps"])
+    # Goodput: inner steps whose pseudo-gradient was merged into the global model (the
+    # shard's count) over the inner steps the replicas trained (every attempt's).
+    merged = out.get("merged_samples")
+    out["goodput"] = merged / trained if merged is not None and trained else None
     out["slow_pause"] = max(r["slow_pause"] for r in ranks)
     for k in ("outer_waits", "outer_wait_seconds", "outer_mean_staleness",
               "outer_max_staleness"):
@@ -254,6 +293,9 @@ def summarize(runs: list[dict[str, Any]], keys: list[str], links: list[str]
                                   for r in ok},
                 "per_seed_loss": {r["seed"]: r["final_val_loss"] for r in ok},
                 "waits": [sum(w or 0 for w in r["outer_waits"]) for r in ok],
+                "kills": [r.get("kills", 0) for r in ok],
+                "goodput": _median([r["goodput"] if r.get("goodput") is not None
+                                    else math.nan for r in ok]),
                 "max_staleness": [max((s or 0) for s in r["outer_max_staleness"])
                                   for r in ok],
             }
@@ -292,8 +334,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` ({meta['total_minutes']:.1f} min)",
         "",
         f"| strategy | case | link | reached | median wall s to {target} | vs sync DiLoCo "
-        f"| val loss at budget | bytes/outer step | waits | max staleness |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| val loss at budget | bytes/outer step | goodput | kills | waits | max staleness |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         failed = f" ({len(r['errors'])} failed)" if r["errors"] else ""
@@ -301,7 +343,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {r['strategy']} | {r['case']} | {r['link']} | {r['reached']}/{r['runs']}"
             f"{failed} | {_fmt(r['median_wall'], '.1f')} | {_fmt(r['vs_sync'], '.2f')} | "
             f"{_fmt(r['final_val_loss'], '.3f')} | {_fmt(r['bytes_per_outer_step'], ',.0f')} "
-            f"| {r['waits']} | {r['max_staleness']} |")
+            f"| {_fmt(r['goodput'], '.3f')} | {r['kills']} | {r['waits']} | "
+            f"{r['max_staleness']} |")
     notes = meta.get("notes", [])
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
@@ -345,6 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the sample budget, in steps of the global batch")
     p.add_argument("--max-wall", type=float, default=240.0,
                    help="stop a run after this many seconds of training")
+    p.add_argument("--kill-every", type=float, default=15.0,
+                   help="cases with kills: SIGKILL a random replica every this many seconds")
+    p.add_argument("--kill-steps", type=int, default=1280,
+                   help="cases with kills: the sample budget in steps (long enough for >= 5 "
+                        "kills)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--run-timeout", type=float, default=600.0)
     args = common.parse_matrix_args(p, argv, out=RESULTS / "decoupled",
@@ -372,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(c not in CASES for c in cases):
         print(f"--cases: choose from {CASES}, got {cases}", file=sys.stderr)
         return 2
-    keys = [f"{s}@{c}" for c in cases for s in strategies]
+    keys = [f"{s}@{c}" for c in cases for s in strategies
+            if "kills" not in c or not STRATEGIES[s][3]]
     load_corpus()
     notes: list[str] = []
     if not common.shaped_links_usable(links, notes):

@@ -569,3 +569,76 @@ def test_shm_bounds_regions_and_doorbell_pushes(drivers: list[_Driver],
         for _ in range(taken):
             slots.release()
     assert d.push(_grads(2, ["b"]), d.versions(), []).results[0][1] == "applied"
+
+
+# -- asynchronous DiLoCo's rounds ------------------------------------------------------------
+
+OUTER = {"name": "sgd", "lr": 1.0, "outer_grace": 0.0, "outer_staleness": "inverse",
+         "outer_round_samples": 8.0}
+
+
+def _with_outer(d: _Driver) -> _Driver:
+    d.call("register", {"entries": [{"mode": "outer", "spec": 0, "replicas_to_aggregate": 2}],
+                        "specs": [OUTER]}, [Entry("o", torch.zeros(300))])
+    return d
+
+
+@pytest.mark.parametrize("transport", NO_SHM)
+def test_outer_rounds_are_bitwise_the_services(transport: str, drivers: list[_Driver]) -> None:
+    from stratagem.quantize import quantize
+
+    g = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(300, generator=g) for _ in range(3)]
+    int4 = quantize(torch.cat([deltas[2], torch.zeros(84)]), "int4")
+
+    def rounds(d: _Driver) -> tuple[list[Any], dict[str, torch.Tensor]]:
+        out = [d.call("contribute", {"samples": 4}, [Entry("o", deltas[0], 0)]).fields,
+               d.call("contribute", {"samples": 2, "compression": "bf16"},
+                      [Entry("o", deltas[1].bfloat16(), 0)]).fields,
+               d.call("contribute", {"samples": 3, "compression": "int4"},
+                      [Entry("o", int4, 0)]).fields,  # stale by one round
+               d.call("close_round", {"versions": {"o": 1}, "fetch": True}).fields]
+        return out, {k: v for k, v in d.values().items() if k == "o"}
+
+    ref = rounds(_with_outer(_driver(drivers, "service")))
+    got = rounds(_with_outer(_driver(drivers, transport)))
+    _assert_same_tree(got[0], ref[0])
+    _same(got[1], ref[1])
+    assert [r["results"][0][1] for r in ref[0][:3]] == ["accumulated", "applied",
+                                                          "accumulated"]
+    assert ref[0][3]["results"] == [["applied", 2]]  # closed by the (zero) grace window
+
+
+@pytest.mark.parametrize("transport", NO_SHM)
+def test_refusals_of_the_outer_operations(transport: str, drivers: list[_Driver]) -> None:
+    d = _with_outer(_driver(drivers, transport))
+    before = d.values()
+    cases: list[tuple[str, dict[str, Any], list[Entry], str, str]] = [
+        ("contribute", {"samples": 1}, [Entry("w", torch.zeros(8, 5), 0)],
+         "FAILED_PRECONDITION", "not 'outer'"),
+        ("contribute", {"samples": 0}, [Entry("o", torch.zeros(300), 0)],
+         "INVALID_ARGUMENT", "samples must be a number in (0, 1e12]"),
+        ("contribute", {"samples": 1, "compression": "zip"}, [Entry("o", torch.zeros(300), 0)],
+         "INVALID_ARGUMENT", "compression must be one of"),
+        ("contribute", {"samples": 1, "compression": "int4"},
+         [Entry("o", torch.zeros(10, dtype=torch.uint8), 0)],
+         "FAILED_PRECONDITION", "1-D uint8 payload of 204 bytes"),
+        ("contribute", {"samples": 1}, [Entry("o", torch.full((300,), float("nan")), 0)],
+         "INVALID_ARGUMENT", "NaN or Inf"),
+        ("contribute", {"samples": 1}, [Entry("o", torch.zeros(300))],
+         "INVALID_ARGUMENT", "carries no base version"),
+        ("push", {}, [Entry("o", torch.zeros(300), 0)],
+         "FAILED_PRECONDITION", "takes 'contribute' calls"),
+        ("close_round", {"versions": ["o"]}, [], "INVALID_ARGUMENT",
+         "close_round needs 'versions'"),
+        ("close_round", {"versions": {"o": 0}, "force": "yes"}, [], "INVALID_ARGUMENT",
+         "must be true or false"),
+        ("set_state", {"slots": [], "if_newer": 1}, [], "INVALID_ARGUMENT",
+         "if_newer must be true or false"),
+    ]
+    for op, fields, entries, status, words in cases:
+        with pytest.raises(Refused) as info:
+            d.call(op, fields, entries)
+        assert info.value.status == status, (op, info.value)
+        assert words in info.value.detail, (op, info.value.detail)
+    _same(before, d.values())

@@ -87,6 +87,7 @@ class Slot:
     acc_weight: float = 0.0
     opened_at: float | None = None
     merged: int = 0
+    merged_samples: float = 0.0
     dropped: int = 0
     refused: int = 0  # steps refused because they would have made the tensor non-finite
     #: Plain SGD (no momentum, weight decay or maximize): its learning rate, for the fast
@@ -639,6 +640,7 @@ def _close(slot: Slot) -> str:
             slot.refused += 1
         status = "refused"
     slot.merged += slot.acc_count
+    slot.merged_samples += slot.acc_weight
     # A refused round still ends (the value unchanged): waiting replicas go on.
     slot.bump()
     return status

@@ -454,6 +454,10 @@ class ShardService:
             "charged_bytes": charged, "max_bytes": self.max_bytes,
             "uptime_seconds": time.monotonic() - self.started,
             "versions": {s.name: s.version for s in slots},
+            # Asynchronous DiLoCo: the samples (inner steps) merged into the global model, as
+            # the most-merged tensor counts them (every pseudo-gradient covers every tensor).
+            "outer_merged_samples": max((s.merged_samples for s in slots
+                                         if s.mode == "outer"), default=0.0),
             # As a request handler sees it: the width of each optimizer step (see serve()).
             "intra_op_threads": torch.get_num_threads(),
         }
