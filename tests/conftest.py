@@ -21,7 +21,8 @@ _SLOW_FILES_FIRST = (
     # running alone: 304, 114, 102, 87, 71, 69, 68, 57, 54, 53, 52, 47, 45, 43, 38, 38 s.
     "test_bench_smoke.py", "test_slurm.py", "test_sharded.py", "test_ft_processes.py",
     "test_ft_intrusion.py", "test_multinode.py", "test_launch.py", "test_examples.py",
-    "test_chaos.py", "test_multinode_ft.py", "test_resume.py", "test_cli.py",
+    "test_chaos.py", "test_async_diloco.py", "test_multinode_ft.py", "test_resume.py",
+    "test_cli.py",
     "test_hostile.py", "test_ft.py", "test_rpc.py", "test_dead_peer.py",
     "test_sharded_hierarchical.py", "test_network_exposure.py", "test_clean_exit.py",
     "test_ft_group_processes.py", "test_hierarchical.py")

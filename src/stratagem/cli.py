@@ -248,7 +248,8 @@ def _configure_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-id", default=None)
     p.add_argument("--strategy", default=None,
                    help="strategy for sg.from_env() in the script: mirrored, easgd, easgd-async, "
-                        "eamsgd, local_sgd, diloco, ps-async, ps-sync, one_device")
+                        "eamsgd, local_sgd, diloco, diloco-async, ps-async, ps-sync, one_device, "
+                        "hierarchical, sharded")
     p.add_argument("--strategy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="strategy keyword argument (repeatable)")
     p.add_argument("-m", "--module", action="store_true",

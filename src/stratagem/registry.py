@@ -67,6 +67,8 @@ STRATEGIES: tuple[StrategyEntry, ...] = (
                   {"momentum": 0.9}),
     StrategyEntry("LocalSGD", "local_sgd", "stratagem.strategies.local_sgd", "LocalSGD"),
     StrategyEntry("DiLoCo", "diloco", "stratagem.strategies.local_sgd", "DiLoCo"),
+    StrategyEntry(None, "diloco-async", "stratagem.strategies.local_sgd", "DiLoCo",
+                  {"mode": "async"}),
     # Landing from other branches: listed once their module exists.
     StrategyEntry("Hierarchical", "hierarchical", "stratagem.strategies.hierarchical",
                   "Hierarchical"),
