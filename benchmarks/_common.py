@@ -134,12 +134,15 @@ def finish_worker(cfg: dict[str, Any], ctrl: Any, strategy: Any, result: dict[st
 def run_evaluator(cfg: dict[str, Any], build: Callable[[], tuple[Any, Any, Any]],
                   score: Callable[[Any, Any], float], hit: Callable[[float], bool],
                   stop: Callable[[dict[str, Any] | None, float], bool], *,
-                  metric: str, stop_mean: float | None = None) -> None:
+                  metric: str, stop_mean: float | None = None,
+                  final_after_finish: bool = False) -> None:
     """The evaluator process of an asynchronous job: once every worker is ready, ``build()``
     a strategy instance that never steps, then each time the workers' mean step count
     crosses a multiple of ``eval_every`` record ``score(strategy, model)``; the first score
     for which ``hit`` is true is ``reached``; ``stop(reached, wall)``, or the mean step count
-    reaching ``stop_mean`` (a budget of samples), sets the stop key. Writes
+    reaching ``stop_mean`` (a budget of samples), sets the stop key; with
+    ``final_after_finish`` the model is scored once more after every worker has finished
+    (what they had in flight has landed). Writes
     ``evaluator.json`` (``curve``, ``final_<metric>``, ``reached``) and exits."""
     world, timeout = int(os.environ["WORLD_SIZE"]), float(cfg["timeout"])
     every = int(cfg["eval_every"])
@@ -171,6 +174,14 @@ def run_evaluator(cfg: dict[str, Any], build: Callable[[], tuple[Any, Any, Any]]
         if done:
             break
         time.sleep(0.01)
+    if final_after_finish:
+        store.wait(finished, timedelta(seconds=timeout))
+        wall = time.perf_counter() - start
+        mean = sum(int(v) for v in store.multi_get(step_keys)) / world
+        value = score(strategy, model)
+        curve.append((wall, mean, value))
+        if reached is None and hit(value):
+            reached = {"wall": wall, "step": mean, metric: value}
     Path(cfg["result_dir"], "evaluator.json").write_text(json.dumps(
         {"curve": curve, f"final_{metric}": curve[-1][2], "reached": reached}))
     strategy.close()

@@ -28,7 +28,9 @@ was in flight when the budget ended).
 Measured per run: the wall time until the global model (``eval_model``) reaches validation
 loss ``--target`` (2.8), the validation loss after a fixed budget of samples (``--max-steps``
 x global batch: synchronous rows train exactly that many steps; asynchronous rows stop when
-the replicas' mean step count reaches ``--max-steps``, so the total samples are equal), the
+the replicas' mean step count reaches ``--max-steps``, so the total samples are equal, then
+send what they trained since their last pseudo-gradient and the evaluator scores the model
+once they all finished), the
 bytes per outer step (per step for Mirrored) as worker 0's strategy counts them, and for the
 asynchronous rows the rounds' staleness and how often a replica waited for its round.
 Synchronous rows are scored by worker 0 every ``--eval-every`` steps (the pause excluded from
@@ -186,6 +188,11 @@ def worker_main(cfg_path: str) -> int:
             if stop or step >= cap:
                 break
         epoch += 1
+    if not sync:
+        # The budget is spent: send the steps since the last pseudo-gradient and close the
+        # round, so the evaluator's last score (after every replica finished) holds every
+        # step, as synchronous DiLoCo's outer step at the last step does.
+        strategy.finalize(model)
     end_wall = time.perf_counter() - start - paused
     metrics = strategy.metrics()
     moved = metrics["bytes_sent"] + metrics["bytes_received"] - eval_bytes - setup_bytes
@@ -224,7 +231,7 @@ def evaluator_main(cfg_path: str) -> int:
         lambda strategy, model: lm._val_loss(strategy.eval_model(model), Xv, Yv),
         lambda loss: loss <= target,
         lambda reached, wall: wall > float(cfg["max_wall"]),
-        metric="val_loss", stop_mean=float(cfg["max_steps"]))
+        metric="val_loss", stop_mean=float(cfg["max_steps"]), final_after_finish=True)
     return 0
 
 
