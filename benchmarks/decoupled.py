@@ -10,9 +10,9 @@ Rows (``--strategies``): ``mirrored``; ``diloco`` (synchronous, period 32, outer
 correction off: the ablation).
 
 Cases (``--cases``): ``equal`` (every replica as fast as the machine lets it); ``slow``
-(replica 3 sleeps twice its measured compute per step after each step, so it runs ~3x
-slower; one torch thread per replica; the synchronous rows are slowed the same way in the
-same run); ``kills`` (every ``--kill-every`` 15 s a random replica is SIGKILLed and started
+(after each step replica 3 sleeps twice its compute per step, forward and backward as
+measured in the run on the shared CPUs (a moving average), so it runs ~3x slower; one torch
+thread per replica; the synchronous rows are slowed the same way in the same run); ``kills`` (every ``--kill-every`` 15 s a random replica is SIGKILLed and started
 again at once; its replacement starts from the newest global model) and ``slow+kills``,
 asynchronous rows only (a synchronous row survives a SIGKILL only with
 ``fault_tolerant=True``, measured by ``benchmarks/ft_kills.py``), over a budget of
@@ -48,7 +48,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,26 +81,6 @@ SLOW_FACTOR = 3.0  # the slow replica's step time over its compute time
 # =========================================================================== worker side
 
 
-def _compute_seconds(cfg: dict[str, Any], X: Any, Y: Any, world: int) -> float:
-    """Median seconds of one forward + backward of this replica's batch, measured on a
-    private copy of the model (no strategy hooks, no communication)."""
-    import torch
-
-    from stratagem.demo_lm import GPT, GPTConfig
-
-    probe = GPT(GPTConfig(**cfg["model"]))
-    b = int(cfg["global_batch"]) // world
-    times = []
-    for i in range(6):
-        t0 = time.perf_counter()
-        _, loss = probe(X[i * b:(i + 1) * b], Y[i * b:(i + 1) * b])
-        loss.backward()
-        times.append(time.perf_counter() - t0)
-        probe.zero_grad()
-    del torch
-    return statistics.median(times[1:])
-
-
 def worker_main(cfg_path: str) -> int:
     cfg = json.loads(Path(cfg_path).read_text())
     import torch
@@ -124,7 +103,7 @@ def worker_main(cfg_path: str) -> int:
     setup_bytes = built["bytes_sent"] + built["bytes_received"]
     X, Y, Xv, Yv = lm._data(cfg)
     slow = cfg["case"].startswith("slow") and rank == world - 1
-    pause = (SLOW_FACTOR - 1.0) * _compute_seconds(cfg, X, Y, world) if slow else 0.0
+    compute: float | None = None  # the slow replica's compute per step, measured live
     batch = int(cfg["global_batch"]) if sync else int(cfg["global_batch"]) // world
     loader = strategy.distribute_dataset((X, Y), batch, shuffle=True,
                                          seed=int(cfg["seed"]) * 1000 + (0 if sync else rank))
@@ -173,12 +152,18 @@ def worker_main(cfg_path: str) -> int:
         for x, y in loader:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, lr=lr, min_lr=lr, warmup=lm.WARMUP, total=max_steps)
+            t_compute = time.perf_counter()
             _, loss = model(x, y)
             strategy.backward(loss)
+            if slow:
+                # Measured where it runs (the CPUs shared with the other replicas): forward and
+                # backward, no communication (none happens there for DiLoCo); a moving average.
+                took = time.perf_counter() - t_compute
+                compute = took if compute is None else 0.9 * compute + 0.1 * took
             optimizer.step()
             optimizer.zero_grad()
-            if pause:
-                time.sleep(pause)
+            if slow and compute is not None:
+                time.sleep((SLOW_FACTOR - 1.0) * compute)
             step += 1
             if progress is not None:
                 progress.step = step
@@ -201,7 +186,8 @@ def worker_main(cfg_path: str) -> int:
         "rank": rank, **common.traffic(metrics, end_wall), "trained_steps": step,
         "attempts": attempt + 1,
         "bytes_per_outer_step": moved / outer if outer else None,
-        "outer_steps": outer, "slow_pause": pause,
+        "outer_steps": outer,
+        "slow_pause": (SLOW_FACTOR - 1.0) * compute if compute is not None else 0.0,
         "outer_waits": metrics.get("outer_waits"),
         "outer_wait_seconds": metrics.get("outer_wait_seconds"),
         "outer_mean_staleness": metrics.get("outer_mean_staleness"),
@@ -324,8 +310,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"global batch {lm.GLOBAL_BATCH} sequences; the settings of `benchmarks/lm.py`. "
         f"Sample budget: {meta['max_steps']} steps x {lm.GLOBAL_BATCH} sequences per run "
         "(asynchronous rows: until the replicas' mean step count reaches it). Case `slow`: "
-        f"replica {meta['workers'] - 1} sleeps {SLOW_FACTOR - 1:g}x its measured compute "
-        "per step. Wall = seconds to validation loss "
+        f"replica {meta['workers'] - 1} sleeps {SLOW_FACTOR - 1:g}x its compute per step "
+        "(forward + backward, measured in the run). Wall = seconds to validation loss "
         f"{target} of the global model (synchronous rows: evaluation pauses excluded; "
         "asynchronous rows: real time, scored by an evaluator). vs sync = median wall / "
         "synchronous DiLoCo's median wall in the same case. Medians over seeds; an "
