@@ -10,9 +10,10 @@ Rows (``--strategies``): ``mirrored``; ``diloco`` (synchronous, period 32, outer
 correction off: the ablation).
 
 Cases (``--cases``): ``equal`` (every replica as fast as the machine lets it); ``slow``
-(after each step replica 3 sleeps twice its compute per step, forward and backward as
-measured in the run on the shared CPUs (a moving average), so it runs ~3x slower; one torch
-thread per replica; the synchronous rows are slowed the same way in the same run); ``kills`` (every ``--kill-every`` 15 s a random replica is SIGKILLed and started
+(after each step replica 3 sleeps twice its compute per step: forward and backward as
+measured over its first 24 steps, while every replica computes on the shared CPUs, then
+frozen; one torch thread per replica; the synchronous rows are slowed the same way in the
+same run); ``kills`` (every ``--kill-every`` 15 s a random replica is SIGKILLed and started
 again at once; its replacement starts from the newest global model) and ``slow+kills``,
 asynchronous rows only (a synchronous row survives a SIGKILL only with
 ``fault_tolerant=True``, measured by ``benchmarks/ft_kills.py``), over a budget of
@@ -76,6 +77,7 @@ QUICK_STRATEGIES = ["diloco-async", "diloco"]
 #: SIGKILL only with fault_tolerant=True (torchft's quorum; benchmarks/ft_kills.py).
 CASES = ("equal", "slow", "kills", "slow+kills")
 SLOW_FACTOR = 3.0  # the slow replica's step time over its compute time
+CALIBRATION_STEPS = 24  # the slow replica's compute is measured over these first steps
 
 
 # =========================================================================== worker side
@@ -155,11 +157,14 @@ def worker_main(cfg_path: str) -> int:
             t_compute = time.perf_counter()
             _, loss = model(x, y)
             strategy.backward(loss)
-            if slow:
-                # Measured where it runs (the CPUs shared with the other replicas): forward and
-                # backward, no communication (none happens there for DiLoCo); a moving average.
+            if slow and step < CALIBRATION_STEPS:
+                # Measured where it runs, over the first steps, while every replica computes
+                # (the CPUs shared as in the equal case): forward and backward, no
+                # communication (none happens there for DiLoCo); then frozen. Measured on,
+                # it would shrink whenever the others wait (sync) and free the CPUs, and the
+                # slow replica would not be slow.
                 took = time.perf_counter() - t_compute
-                compute = took if compute is None else 0.9 * compute + 0.1 * took
+                compute = took if compute is None else 0.8 * compute + 0.2 * took
             optimizer.step()
             optimizer.zero_grad()
             if slow and compute is not None:
@@ -311,7 +316,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Sample budget: {meta['max_steps']} steps x {lm.GLOBAL_BATCH} sequences per run "
         "(asynchronous rows: until the replicas' mean step count reaches it). Case `slow`: "
         f"replica {meta['workers'] - 1} sleeps {SLOW_FACTOR - 1:g}x its compute per step "
-        "(forward + backward, measured in the run). Wall = seconds to validation loss "
+        "(forward + backward over its first 24 steps in the run, then frozen). Wall = seconds to validation loss "
         f"{target} of the global model (synchronous rows: evaluation pauses excluded; "
         "asynchronous rows: real time, scored by an evaluator). vs sync = median wall / "
         "synchronous DiLoCo's median wall in the same case. Medians over seeds; an "
