@@ -227,6 +227,16 @@ def _same(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def _assert_refused(d: _Driver, cases: Sequence[tuple[str, dict[str, Any], list[Entry], str,
+                                                        str]]) -> None:
+    """Each request refused with its status and the words that name the constraint."""
+    for op, fields, entries, status, words in cases:
+        with pytest.raises(Refused) as info:
+            d.call(op, fields, entries)
+        assert info.value.status == status, (op, info.value)
+        assert words in info.value.detail, (op, info.value.detail)
+
+
 # -- results ---------------------------------------------------------------------------------
 
 
@@ -427,11 +437,7 @@ def test_refusals_of_the_other_operations(transport: str, drivers: list[_Driver]
         ("wait_version", {"timeout": "soon"}, [], "INVALID_ARGUMENT",
          "field 'timeout' must be a finite number"),
     ]
-    for op, fields, entries, status, words in cases:
-        with pytest.raises(Refused) as info:
-            d.call(op, fields, entries)
-        assert info.value.status == status, (op, info.value)
-        assert words in info.value.detail, (op, info.value.detail)
+    _assert_refused(d, cases)
     _same(before, d.values())
 
 
@@ -636,9 +642,5 @@ def test_refusals_of_the_outer_operations(transport: str, drivers: list[_Driver]
         ("set_state", {"slots": [], "if_newer": 1}, [], "INVALID_ARGUMENT",
          "if_newer must be true or false"),
     ]
-    for op, fields, entries, status, words in cases:
-        with pytest.raises(Refused) as info:
-            d.call(op, fields, entries)
-        assert info.value.status == status, (op, info.value)
-        assert words in info.value.detail, (op, info.value.detail)
+    _assert_refused(d, cases)
     _same(before, d.values())
