@@ -33,6 +33,7 @@ STRATEGIES: dict[str, tuple[dict, bool]] = {
     "mirrored": ({}, False),
     "local_sgd": ({"period": 2}, False),
     "diloco": ({"period": 2}, False),
+    "diloco-async": ({"period": 2}, True),
     "easgd": ({"period": 2}, False),
     "eamsgd": ({"period": 2}, False),
     "easgd-async": ({"period": 2, "moving_rate": 0.25}, True),
