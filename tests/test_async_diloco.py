@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -149,9 +150,11 @@ def test_two_replicas_by_hand(shards, monkeypatch, staleness, global_after_b):
         b.close()
 
 
-def test_unequal_steps_share_a_round_and_the_last_contribution_closes_it(shards,
-                                                                         monkeypatch):
+def test_unequal_steps_share_a_round_and_the_last_contribution_closes_it(monkeypatch):
+    from stratagem.ps.server import start_local_shards
+
     monkeypatch.setenv("WORLD_SIZE", "2")
+    servers, shards = start_local_shards(1)
     make = lambda: sg.DiLoCo(mode="async", period=2, outer_lr=1.0, outer_momentum=0.0,  # noqa: E731
                              min_contributions=2, ps_addresses=shards, comm=sg.Comm.single(),
                              timeout=20)
@@ -161,6 +164,12 @@ def test_unequal_steps_share_a_round_and_the_last_contribution_closes_it(shards,
     try:
         step_a()
         step_a()  # 2 steps of (-1, -1) each: waits in the round (1 of 2)
+        # A sends on a background thread: B's round must find A's pseudo-gradient there.
+        slots = servers[0].service.slots
+        deadline = time.monotonic() + 20
+        while not all(s.acc_count == 1 for s in slots.values()):
+            assert time.monotonic() < deadline, "A's pseudo-gradient never reached the shard"
+            time.sleep(0.01)
         step_b()
         b.finalize(model_b)  # 1 step of (-2, -2): sent at once, closes the round
         # (2 * -2 + 1 * -2) / max(3, 4) = -1.5 -> global (1.5, 2.5); B takes it
@@ -170,6 +179,8 @@ def test_unequal_steps_share_a_round_and_the_last_contribution_closes_it(shards,
     finally:
         a.close()
         b.close()
+        for server in servers:
+            server.stop(0)
 
 
 # ---------------------------------------------------------------------- never waits
