@@ -45,7 +45,8 @@ import torch
 from .sparsify import is_topk, parse_topk
 from .validation import describe_choices
 
-__all__ = ["KINDS", "CAST_KINDS", "QUANTIZED_KINDS", "SPARSE_KINDS", "OUTER_KINDS", "COMPRESSIONS", "CompressionContext", "ErrorFeedback", "check_compression",
+__all__ = ["KINDS", "CAST_KINDS", "QUANTIZED_KINDS", "SPARSE_KINDS", "OUTER_KINDS",
+           "ASYNC_OUTER_KINDS", "COMPRESSIONS", "CompressionContext", "ErrorFeedback", "check_compression",
            "compress", "compression_dtype", "decompress", "wire_dtype"]
 
 #: Every value a ``compression=`` keyword accepts, and the dtype it puts on the wire
@@ -69,6 +70,9 @@ QUANTIZED_KINDS: tuple[str, ...] = ("int8", "int4")
 SPARSE_KINDS: tuple[str, ...] = ("topk",)
 #: What an outer synchronisation (DiLoCo's pseudo-gradients) accepts.
 OUTER_KINDS: tuple[str | None, ...] = CAST_KINDS + QUANTIZED_KINDS + SPARSE_KINDS
+#: What asynchronous DiLoCo's pseudo-gradients travel as to a shard (no top-k: the shard
+#: sums them one by one, not through an all-gather).
+ASYNC_OUTER_KINDS: tuple[str | None, ...] = CAST_KINDS + QUANTIZED_KINDS
 
 #: The lossy cast kinds only, for code that compresses by casting for sure.
 COMPRESSIONS: dict[str, torch.dtype] = {k: v for k, v in KINDS.items()

@@ -51,10 +51,12 @@ import torch
 from torch import nn
 
 from ..comm import Comm
-from ..compression import check_compression
+from ..compression import ASYNC_OUTER_KINDS, check_compression
 from ..quantize import QUANT_KINDS
 from .base import Capability, Part
-from .outer import OuterOptimizerFactory
+
+# Synchronous DiLoCo's checkpoint keys: a checkpoint restores into either mode.
+from .outer import MOMENTUM_KEY, RESIDUAL_KEY, OuterOptimizerFactory
 from .tensors import gather_ranks, load_rank, synced_tensors
 
 if TYPE_CHECKING:
@@ -64,11 +66,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncOuterStep", "ASYNC_KINDS"]
 
 #: What an asynchronous pseudo-gradient may be sent as.
-ASYNC_KINDS: tuple[str | None, ...] = (None, "fp16", "bf16", *QUANT_KINDS)
-#: Checkpoint keys shared with synchronous DiLoCo (:mod:`stratagem.parts.outer`), so a
-#: checkpoint restores into either mode.
-_MOMENTUM_KEY = "outer_momentum"
-_RESIDUAL_KEY = "residual"
+ASYNC_KINDS = ASYNC_OUTER_KINDS
 
 
 class _Flight:
@@ -421,7 +419,7 @@ class AsyncOuterStep(Part):
         st = self._state(prepared)
         out: dict[str, torch.Tensor] = {}
         if st.residual is not None:
-            out.update(gather_ranks(self.comm, st.names, st.residual, _RESIDUAL_KEY))
+            out.update(gather_ranks(self.comm, st.names, st.residual, RESIDUAL_KEY))
         if self.owner.is_chief:
             assert st.table is not None
             saved = st.table.get_state()["optimizer"]
@@ -429,7 +427,7 @@ class AsyncOuterStep(Part):
             for n, k in zip(st.names, st.keys, strict=True):
                 for key, value in saved.get(k, {}).items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        name = _MOMENTUM_KEY if key == "momentum_buffer" else f"outer_{key}"
+                        name = MOMENTUM_KEY if key == "momentum_buffer" else f"outer_{key}"
                         out[f"{name}/{n}"] = value
         return out
 
@@ -442,12 +440,12 @@ class AsyncOuterStep(Part):
             head, _, n = key.partition("/")
             if n not in by_name or not head.startswith("outer_") or saved.shape != shapes[n]:
                 continue
-            slot_key = "momentum_buffer" if head == _MOMENTUM_KEY else head[len("outer_"):]
+            slot_key = "momentum_buffer" if head == MOMENTUM_KEY else head[len("outer_"):]
             opt.setdefault(by_name[n], {})[slot_key] = saved
         if opt:
             self._write_global(st, opt)
         if st.residual is not None:
-            load_rank(state, _RESIDUAL_KEY, self.comm.rank, self.comm.world_size, st.names,
+            load_rank(state, RESIDUAL_KEY, self.comm.rank, self.comm.world_size, st.names,
                       st.residual)
 
     def metrics(self) -> dict[str, Any]:

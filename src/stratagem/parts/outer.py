@@ -52,15 +52,16 @@ from .tensors import (
 if TYPE_CHECKING:
     from ..strategy import Prepared
 
-__all__ = ["OuterStep", "OuterOptimizerFactory", "split_fragments"]
+__all__ = ["OuterStep", "OuterOptimizerFactory", "split_fragments", "MOMENTUM_KEY",
+           "RESIDUAL_KEY"]
 
 #: ``params -> optimizer``: builds the outer optimizer over the outer parameters.
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 #: The checkpoint key of SGD's momentum buffer (the name DiLoCo checkpoints have always used).
-_MOMENTUM_KEY = "outer_momentum"
+MOMENTUM_KEY = "outer_momentum"
 #: Checkpoint keys of the quantization residuals (per rank) and of an all-reduce in flight.
-_RESIDUAL_KEY = "residual"
+RESIDUAL_KEY = "residual"
 _PENDING_KEY = "pending_outer"
 
 
@@ -412,7 +413,7 @@ class OuterStep(Part):
         for n, q in zip(st.names, st.prev, strict=True):
             for key, value in st.optimizer.state.get(q, {}).items():
                 if isinstance(value, torch.Tensor):
-                    name = _MOMENTUM_KEY if key == "momentum_buffer" else f"outer_{key}"
+                    name = MOMENTUM_KEY if key == "momentum_buffer" else f"outer_{key}"
                     out[f"{name}/{n}"] = value
         residual = list(st.residual) if st.residual is not None else None
         if st.flight is not None:
@@ -429,7 +430,7 @@ class OuterStep(Part):
             out[f"{_PENDING_KEY}.meta"] = torch.tensor(
                 [flight.k, flight.apply_phase, self.comm.world_size], dtype=torch.int64)
         if residual is not None:
-            out.update(gather_ranks(self.comm, st.names, residual, _RESIDUAL_KEY))
+            out.update(gather_ranks(self.comm, st.names, residual, RESIDUAL_KEY))
         return out
 
     def load_extra_state(self, prepared: Prepared, state: dict[str, torch.Tensor]) -> None:
@@ -443,14 +444,14 @@ class OuterStep(Part):
                 if q is None or not head.startswith("outer_") or (
                         saved.dim() > 0 and saved.shape != q.shape):
                     continue
-                if head == _MOMENTUM_KEY:
+                if head == MOMENTUM_KEY:
                     if momentum:
                         st.optimizer.state[q]["momentum_buffer"] = saved.clone()
                 else:
                     st.optimizer.state[q][head[len("outer_"):]] = saved.clone()
         load_rank(state, "local", self.comm.rank, self.comm.world_size, st.names, st.params)
         if st.residual is not None:
-            load_rank(state, _RESIDUAL_KEY, self.comm.rank, self.comm.world_size, st.names,
+            load_rank(state, RESIDUAL_KEY, self.comm.rank, self.comm.world_size, st.names,
                       st.residual)
         self._load_pending(st, state)
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from stratagem.compression import ASYNC_OUTER_KINDS
 from stratagem.ps import optim as ps_optim
 from stratagem.ps import rules, wire
 from stratagem.ps.rules import Slot
@@ -653,8 +654,8 @@ class ShardService:
         if not 0.0 < samples <= 1e12:
             raise _err(f"contribute: samples must be a number in (0, 1e12], got {samples}")
         kind = msg.fields.get("compression")
-        if kind not in _CONTRIBUTION_KINDS:
-            raise _err(f"contribute: compression must be one of {list(_CONTRIBUTION_KINDS)}, "
+        if kind not in ASYNC_OUTER_KINDS:
+            raise _err(f"contribute: compression must be one of {list(ASYNC_OUTER_KINDS)}, "
                        f"got {kind!r}")
         fetch = msg.fields.get("fetch", False)
         if not isinstance(fetch, bool):
@@ -835,8 +836,6 @@ class ShardService:
         return wire.encode("ok", {"stopping": True})
 
 
-#: What a ``contribute`` may carry: its own dtype, a 16-bit cast, or blockwise quantized.
-_CONTRIBUTION_KINDS = (None, "fp16", "bf16", *QUANT_KINDS)
 
 
 def _dequantized(slot: Slot, payload: torch.Tensor, kind: str) -> torch.Tensor:

@@ -694,10 +694,10 @@ class ShardedParameters:
         (mode "outer"). ``compression``: None, "bf16"/"fp16" (a cast) or "int8"/"int4"
         (blockwise, each part quantized alone); with a quantized kind, ``lost[name]`` (fp32,
         the tensor's shape) receives what quantization dropped, for error feedback."""
+        from stratagem.compression import ASYNC_OUTER_KINDS
         from stratagem.quantize import DEFAULT_BLOCK, QUANT_KINDS, quantize
 
-        check_compression(compression, name="compression",
-                          kinds=(None, "fp16", "bf16", *QUANT_KINDS))
+        check_compression(compression, name="compression", kinds=ASYNC_OUTER_KINDS)
         reqs: list[Request] = []
         order: list[list[Part]] = []
         for shard, parts in sorted(self._by_shard(list(deltas)).items()):
