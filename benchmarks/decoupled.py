@@ -6,8 +6,10 @@ and Mirrored, 4 replicas of the character-level GPT of ``benchmarks/lm.py`` on s
 Rows (``--strategies``): ``mirrored``; ``diloco`` (synchronous, period 32, outer Nesterov lr
 1.0 momentum 0.3: lm.py's tuned values); ``diloco-async`` (the same with ``mode="async"``,
 ``min_contributions`` 3 of 4, ``grace_window`` 10 s, fp32 pseudo-gradients);
-``diloco-async-int4`` (int4 with error feedback); ``diloco-async-nostale`` (the staleness
-correction off: the ablation).
+``diloco-async-int4`` (int4 with error feedback both ways: the model comes down as the
+rounds' int4 updates); ``diloco-async-int4-up`` (int4 up only, the model down in fp32: the
+ablation of the compressed download); ``diloco-async-nostale`` (the staleness correction
+off: the ablation).
 
 Cases (``--cases``): ``equal`` (every replica as fast as the machine lets it); ``slow``
 (after each step replica 3 sleeps twice its compute per step: forward and backward as
@@ -71,6 +73,8 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "diloco-async": ("diloco", dict(_ASYNC), True, False),
     "diloco-async-int4": ("diloco", {**_ASYNC, "compression": "int4"}, True, False),
     "diloco-async-nostale": ("diloco", {**_ASYNC, "staleness": "none"}, True, False),
+    "diloco-async-int4-up": ("diloco", {**_ASYNC, "compression": "int4",
+                                        "compress_download": False}, True, False),
 }
 QUICK_STRATEGIES = ["diloco-async", "diloco"]
 #: "kills" and "slow+kills" run the asynchronous rows only: a synchronous row survives a

@@ -84,6 +84,38 @@ def test_no_window_means_a_round_waits_for_its_contributions():
     assert rules.close_round(slot, 0, now=1e6) == ["open", 0]
 
 
+def test_the_model_down_keeps_its_error_feedback_on_the_shard():
+    # With a download kind the shard's model is the encoded updates applied in turn; what
+    # the encodings dropped is carried on the shard, so model + residual is the exact
+    # trajectory (plain SGD, lr 1: the initial value minus every round's merged mean).
+    from stratagem.ps import updates
+
+    spec = {"name": "sgd", "lr": 1.0, ps_optim.OUTER_DOWNLOAD: "int4"}
+    slot = rules.make_slot("w", torch.zeros(1000), "outer", spec, 1)
+    g = torch.Generator().manual_seed(0)
+    exact, held = torch.zeros(1000, dtype=torch.float64), torch.zeros(1000)
+    for r in range(6):
+        d = torch.randn(1000, generator=g)
+        assert rules.contribute(slot, r, 1, lambda d=d: d, 0.0)[1] == "applied"
+        exact -= d.double()
+        (version, payload), = rules.updates_since(slot, r, slot.lineage)
+        assert version == r + 1 and payload.numel() < slot.value.nbytes / 7
+        held = updates.apply(held, payload, "int4")
+        assert torch.equal(held, slot.value)  # what a replica rebuilds is the shard's model
+        assert slot.down_residual is not None
+        err = (slot.value.double() + slot.down_residual.double() - exact).abs().max()
+        assert float(err) < 1e-5
+        assert float((slot.value.double() - exact).abs().max()) > 1e-3  # int4 is lossy
+    # kept: the last HISTORY rounds; older holders, and other lineages, get the model
+    assert len(rules.updates_since(slot, 6 - updates.HISTORY, slot.lineage)) == updates.HISTORY
+    assert rules.updates_since(slot, 1, slot.lineage) is None
+    assert rules.updates_since(slot, 5, slot.lineage + 1) is None
+    assert rules.updates_since(slot, 6, slot.lineage) is None  # nothing newer
+    # a refused round (non-finite) ends the chain: the next fetch is the model itself
+    assert rules.contribute(slot, 6, 1, lambda: torch.full((1000,), float("nan")), 0.0)[1] == "refused"
+    assert rules.updates_since(slot, 6, slot.lineage) is None
+
+
 # ---------------------------------------------------------------------- by hand, end to end
 class Pair(nn.Module):
     def __init__(self) -> None:
@@ -184,9 +216,9 @@ def test_unequal_steps_share_a_round_and_the_last_contribution_closes_it(monkeyp
 
 
 # ---------------------------------------------------------------------- never waits
-def _train(strategy, data, *, steps, seed=0, on_step=None, batch=48):
+def _train(strategy, data, *, steps, seed=0, on_step=None, batch=48, hidden=16):
     with strategy.scope():
-        model = make_model(seed)
+        model = make_model(seed, hidden=hidden)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, opt = strategy.prepare(model, opt)
     loader = strategy.distribute_dataset(data, batch, shuffle=True, seed=3)
@@ -234,12 +266,89 @@ def test_fast_replicas_never_wait_for_a_stalled_one(shards):
     for losses, metrics, _ in results:
         assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
         assert metrics["min_contributions"] == 2 and metrics["outer_sent"] == 10
+    # Counted: a fast replica waits only for the other fast one's next pseudo-gradient (a
+    # period of a few milliseconds of steps); a wait for the stalled one would have lasted
+    # until its grace window (30 s) closed the round.
+    for _, metrics, _ in results[:2]:
+        assert metrics["outer_wait_seconds"] < 10.0, metrics
     # The stalled replica's pseudo-gradients were merged late, discounted by their staleness.
     assert results[2][1]["outer_max_staleness"] >= 1
     # finalize leaves every replica on the same global model
     for _, _, state in results[1:]:
         for k, v in state.items():
             assert torch.equal(v, results[0][2][k]), k
+
+
+def test_a_compressed_model_down_moves_fewer_bytes_and_replicas_end_equal():
+    # Two replicas, int4 both ways (the default) against int4 up only: the same training
+    # with ~3.6k parameters, 8 rounds; the model comes down as int4 updates (all but the
+    # first round's: the join, the first fetch and finalize's pull bring the model itself),
+    # so each replica receives far fewer bytes (~0.4x here), and finalize still leaves both
+    # on the shards' model, bitwise.
+    from stratagem.ps.server import start_local_shards
+
+    data = make_data()
+
+    def run(compress_download: bool):
+        servers, addrs = start_local_shards(1)
+
+        def job(comm):
+            s = sg.DiLoCo(mode="async", period=4, ps_addresses=addrs, comm=comm, timeout=30,
+                          compression="int4", compress_download=compress_download,
+                          min_contributions=2)
+            model, losses = _train(s, data, steps=32, batch=32, hidden=256)
+            s.finalize(model)
+            out = (losses, s.metrics(),
+                   {k: v.clone() for k, v in model.state_dict().items()})
+            s.close()
+            return out
+
+        try:
+            return run_ranks(job, 2)
+        finally:
+            for srv in servers:
+                srv.stop(0)
+
+    both, up_only = run(True), run(False)
+    for results in (both, up_only):
+        for losses, metrics, _ in results:
+            assert metrics["outer_landed"] >= 3 and sum(losses[-4:]) < sum(losses[:4])
+        for k, v in results[1][2].items():
+            assert torch.equal(v, results[0][2][k]), k
+    received = [sum(m["ps_bytes_received"] for _, m, _ in r) for r in (both, up_only)]
+    assert received[0] < 0.6 * received[1], received
+
+
+def test_a_replica_slower_than_the_grace_window_sends_partial_pseudo_gradients():
+    # Replica 1 takes ~0.1 s a step, so a period of 8 steps (~0.8 s) outlasts the 0.3 s
+    # grace window: it sends what it has every few steps, each weighted by the steps it
+    # covers. Every step of both replicas is merged (the shard counts samples = steps).
+    from stratagem.ps.server import start_local_shards
+
+    data = make_data()
+    servers, addrs = start_local_shards(1)
+
+    def slow(step: int) -> None:
+        time.sleep(0.1)
+
+    def job(comm):
+        s = sg.DiLoCo(mode="async", period=8, ps_addresses=addrs, comm=comm, timeout=30,
+                      grace_window=0.3)
+        model, losses = _train(s, data, steps=16, on_step=slow if comm.rank == 1 else None)
+        s.finalize(model)
+        out = s.metrics()
+        s.close()
+        return out
+
+    try:
+        metrics = run_ranks(job, 2)
+        slots = [sl for sl in servers[0].service.slots.values() if sl.mode == "outer"]
+    finally:
+        for srv in servers:
+            srv.stop(0)
+    assert metrics[1]["outer_partial"] >= 2 and metrics[1]["outer_sent"] > 16 // 8 + 1
+    assert slots and all(sl.merged_samples == 32.0 for sl in slots), [
+        sl.merged_samples for sl in slots]
 
 
 # ---------------------------------------------------------------------- a killed replica

@@ -583,6 +583,12 @@ OUTER = {"name": "sgd", "lr": 1.0, "outer_grace": 0.0, "outer_staleness": "inver
          "outer_round_samples": 8.0}
 
 
+def _unlined(fields: dict[str, Any]) -> dict[str, Any]:
+    """A reply's fields without the slots' lineages (random per slot, so per shard)."""
+    assert all(isinstance(v, int) for v in fields.pop("lineage").values())
+    return fields
+
+
 def _with_outer(d: _Driver) -> _Driver:
     d.call("register", {"entries": [{"mode": "outer", "spec": 0, "replicas_to_aggregate": 2}],
                         "specs": [OUTER]}, [Entry("o", torch.zeros(300))])
@@ -603,7 +609,7 @@ def test_outer_rounds_are_bitwise_the_services(transport: str, drivers: list[_Dr
                       [Entry("o", deltas[1].bfloat16(), 0)]).fields,
                d.call("contribute", {"samples": 3, "compression": "int4"},
                       [Entry("o", int4, 0)]).fields,  # stale by one round
-               d.call("close_round", {"versions": {"o": 1}, "fetch": True}).fields]
+               _unlined(d.call("close_round", {"versions": {"o": 1}, "fetch": True}).fields)]
         return out, {k: v for k, v in d.values().items() if k == "o"}
 
     ref = rounds(_with_outer(_driver(drivers, "service")))
@@ -644,3 +650,72 @@ def test_refusals_of_the_outer_operations(transport: str, drivers: list[_Driver]
     ]
     _assert_refused(d, cases)
     _same(before, d.values())
+
+
+@pytest.mark.parametrize("transport", NO_SHM)
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_the_model_comes_down_as_encoded_updates_bitwise_the_shards(
+        transport: str, kind: str, drivers: list[_Driver]) -> None:
+    # A replica that holds version v (of the slot's lineage) gets the encoded updates since v,
+    # one entry per round, and rebuilds the shard's value bitwise; another lineage or a
+    # version the shard no longer keeps gets the value itself.
+    from stratagem.ps import updates
+
+    g = torch.Generator().manual_seed(5)
+    deltas = [torch.randn(300, generator=g) for _ in range(6)]
+
+    def run(d: _Driver) -> tuple[list[Any], list[torch.Tensor]]:
+        d.call("register", {"entries": [{"mode": "outer", "spec": 0,
+                                         "replicas_to_aggregate": 2}],
+                            "specs": [{**OUTER, "outer_download": kind}]},
+               [Entry("o", torch.zeros(300))])
+        first = d.call("close_round", {"versions": {"o": -1}, "fetch": True})
+        lineage = first.fields["lineage"]["o"]
+        held, held_version = first.entries[0].tensor.clone(), 0
+        seen: list[Any] = []
+        rebuilt: list[torch.Tensor] = []
+        for r in range(3):
+            for i in (2 * r, 2 * r + 1):
+                d.call("contribute", {"samples": 4}, [Entry("o", deltas[i], r)])
+            have = {"o": [held_version, lineage]} if r != 1 else {}  # round 1: not fetched
+            reply = d.call("close_round", {"versions": {"o": -1}, "fetch": True,
+                                           "have": have})
+            seen.append(_unlined(dict(reply.fields)))
+            if r == 1:
+                continue
+            if reply.fields["updates"]:
+                for e in reply.entries:
+                    held = updates.apply(held, e.tensor, kind)
+                held_version = reply.entries[-1].version
+            else:
+                held, held_version = reply.entries[0].tensor.clone(), reply.entries[0].version
+            rebuilt.append(held.clone())
+            _same({"o": held}, {"o": d.values()["o"]})
+        # another lineage, or a version no longer kept: the value itself
+        for have in ({"o": [2, lineage + 1]}, {"o": [0, lineage]}):
+            reply = d.call("close_round", {"versions": {"o": -1}, "fetch": True, "have": have})
+            assert reply.fields["updates"] == {} or have["o"][0] == 0
+            seen.append(_unlined(dict(reply.fields)))
+        return seen, rebuilt
+
+    ref = run(_driver(drivers, "service"))
+    got = run(_driver(drivers, transport))
+    _assert_same_tree(got[0], ref[0])
+    for a, b in zip(got[1], ref[1], strict=True):
+        assert torch.equal(a, b)
+    # round 0: one update since version 0; round 2: the two since version 1 (in bf16 two
+    # updates weigh the fp32 value: the value comes instead)
+    assert ref[0][0]["updates"] == {"o": 1}
+    assert ref[0][2]["updates"] == ({"o": 2} if kind == "int4" else {})
+    assert ref[0][3]["updates"] == {}  # another lineage
+
+
+def test_a_bad_have_is_refused(drivers: list[_Driver]) -> None:
+    for transport in NO_SHM:
+        d = _with_outer(_driver(drivers, transport))
+        _assert_refused(d, [
+            ("close_round", {"versions": {"o": 0}, "fetch": True, "have": {"o": 0}}, [],
+             "INVALID_ARGUMENT", "'have' must be an object"),
+            ("close_round", {"versions": {"o": 0}, "fetch": True, "have": {"x": [0, 1]}}, [],
+             "INVALID_ARGUMENT", "'have' must be an object"),
+        ])

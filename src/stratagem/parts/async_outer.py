@@ -8,7 +8,9 @@ asynchronous EASGD does, and the outer step happens there, in *rounds*
 
 - every ``period`` inner steps a replica sends its pseudo-gradient ``theta_base - theta``
   (``theta_base`` is the global model it last received, at version ``v``) with the number of
-  inner steps it covers, in the background, and keeps training;
+  inner steps it covers, in the background, and keeps training; a replica that has not sent
+  for ``grace_window`` seconds sends what it has at its next step (a *partial*
+  pseudo-gradient, covering fewer steps and weighted by them);
 - the shard adds it to the open round with weight ``steps * s(staleness)``, ``staleness`` =
   the rounds closed since ``v`` and ``s`` the staleness rule (``"inverse"``: ``1 / (1 +
   staleness)``; ``"none"``: 1);
@@ -93,10 +95,14 @@ class _State:
         self.table: ShardedParameters | None = None
         self.base: list[torch.Tensor] = []
         self.base_versions: dict[str, int] = {}  # per part key on the shards
+        #: per part key, the lineage of the shard slot ``base`` was read from in a round's
+        #: fetch (empty after a pull: the next fetch brings the values themselves)
+        self.base_lineage: dict[str, int] = {}
         self.residual: list[torch.Tensor] | None = (
             [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
             if quantized else None)
         self.since = 0  # inner steps since the last pseudo-gradient was sent
+        self.sent_at = time.monotonic()  # when it was sent (or the replica started)
         self.flight: _Flight | None = None
         self.left = False  # told the shards it sends no more (finalize)
         self.eval_module: nn.Module | None = None
@@ -111,7 +117,11 @@ class AsyncOuterStep(Part):
     ``min_contributions`` (None: replicas - 1, at least 1), ``grace_window`` (seconds, None:
     rounds close only when full), ``staleness`` ("inverse" or "none"), ``compression`` (None,
     "bf16", "fp16", "int8", "int4"; the quantized kinds keep error-feedback residuals per
-    replica, checkpointed under synchronous DiLoCo's names).
+    replica, checkpointed under synchronous DiLoCo's names), ``compress_download`` (with a
+    ``compression``, the global model comes back in the same kind: the shards keep their model
+    equal to the encoded round updates applied in turn, with error feedback of their own, and
+    a replica a round or a few behind fetches those updates, not the model;
+    :mod:`stratagem.ps.updates`).
 
     On failure: a replica that dies loses only its pseudo-gradient in flight and the inner
     steps since the last one; a (re)started replica starts from the newest global model. A
@@ -134,13 +144,15 @@ class AsyncOuterStep(Part):
     def __init__(self, comm: Comm, *, period: int, outer_optimizer: OuterOptimizerFactory,
                  compression: str | None, min_contributions: int | None,
                  grace_window: float | None, staleness: str, ps_addresses: Sequence[str],
-                 timeout: float) -> None:
+                 timeout: float, compress_download: bool = True) -> None:
         super().__init__(comm)
         from ..ps.link import PSLink
 
         self.period = period
         self.factory = outer_optimizer
         self.compression = check_compression(compression, kinds=ASYNC_KINDS)
+        #: the kind the global model comes down in (None: the values themselves)
+        self.down = self.compression if compress_download else None
         self.given_min_contributions = min_contributions
         self.grace_window = grace_window
         self.staleness = staleness
@@ -153,6 +165,7 @@ class AsyncOuterStep(Part):
         self.waits = 0
         self.wait_seconds = 0.0
         self.closed_early = 0
+        self.partial = 0  # pseudo-gradients sent at the grace window, before the period ended
         self.staleness_sum = 0
         self.max_staleness = 0
         self.recoveries = 0  # times this replica re-seeded a lost shard
@@ -197,6 +210,7 @@ class AsyncOuterStep(Part):
         spec[ps_optim.OUTER_GRACE] = self.grace_window
         spec[ps_optim.OUTER_STALENESS] = self.staleness
         spec[ps_optim.OUTER_ROUND] = float(self.replicas * self.period)
+        spec[ps_optim.OUTER_DOWNLOAD] = self.down
         return spec
 
     # ------------------------------------------------------------------ setup
@@ -241,6 +255,13 @@ class AsyncOuterStep(Part):
             self._land(st)
         if prepared.local_steps % self.period == 0:
             self._send(st, force=False)
+        elif (self.grace_window is not None
+              and time.monotonic() - st.sent_at >= self.grace_window):
+            # A replica too slow to finish its period within a grace window sends what it
+            # has (weighted by the fewer steps it covers) rather than a pseudo-gradient a
+            # round or more stale later.
+            self.partial += 1
+            self._send(st, force=False)
 
     def _send(self, st: _State, *, force: bool, leaving: bool = False) -> None:
         """Send this replica's pseudo-gradient since the last one (landing the previous
@@ -258,16 +279,20 @@ class AsyncOuterStep(Part):
             sent = [t.detach().clone() for t in st.tensors]
         lost = ({k: torch.empty_like(d) for k, d in deltas.items()}
                 if st.residual is not None else None)
+        have = ({k: (st.base_versions[k], lin) for k, lin in st.base_lineage.items()
+                 if k in st.base_versions} if self.down is not None else None)
         future = self._pool.submit(self._round, st.table, deltas, dict(st.base_versions),
-                                   st.since, lost, force, leaving, list(st.base))
+                                   st.since, lost, force, leaving, list(st.base), have)
         st.flight = _Flight(future, sent, lost)
         st.since = 0
+        st.sent_at = time.monotonic()
         self.sent += 1
 
     def _round(self, table: ShardedParameters, deltas: dict[str, torch.Tensor],
                base_versions: dict[str, int], samples: int,
                lost: dict[str, torch.Tensor] | None, force: bool, leaving: bool,
-               base: Sequence[torch.Tensor]) -> tuple[Contribution, RoundEnd]:
+               base: Sequence[torch.Tensor], have: dict[str, tuple[int, int]] | None
+               ) -> tuple[Contribution, RoundEnd]:
         """On the background thread: contribute, then wait for the round (at most the grace
         window), close it if its window is over (``force``, the last one: at once, and later
         rounds need one pseudo-gradient fewer) and fetch the model."""
@@ -279,8 +304,10 @@ class AsyncOuterStep(Part):
             try:
                 joined = table.contribute(deltas, base_versions, samples=samples,
                                           compression=self.compression, lost=lost)
-                end = table.finish_round(joined, grace=self.grace_window, force=force,
-                                         leaving=leaving, timeout=self.timeout)
+                end = table.finish_round(
+                    joined, grace=self.grace_window, force=force, leaving=leaving,
+                    timeout=self.timeout, have=have, down=self.down,
+                    base=dict(zip(table.names, base, strict=True)))
                 return joined, end
             except (ParameterServerUnavailable, RemoteError) as exc:
                 lost_shard = (isinstance(exc, ParameterServerUnavailable)
@@ -331,6 +358,7 @@ class AsyncOuterStep(Part):
                 if st.residual is not None and flight.lost is not None:
                     st.residual[i].copy_(flight.lost[k])
         st.base_versions = dict(end.part_versions)
+        st.base_lineage = dict(end.lineages)
         self.landed += 1
         self.closed_early += end.closed_early
         stale = [v for v in joined.staleness.values()]
@@ -362,6 +390,7 @@ class AsyncOuterStep(Part):
                     t.copy_(g)
             st.base = [t.detach().clone() for t in st.tensors]
             st.base_versions = st.table.part_versions()
+            st.base_lineage = {}
 
     # ------------------------------------------------------------------ the global model
     def _global(self, st: _State) -> list[torch.Tensor]:
@@ -410,7 +439,9 @@ class AsyncOuterStep(Part):
             for e in st.residual or []:
                 e.zero_()
         st.base_versions = st.table.part_versions(refresh=True)
+        st.base_lineage = {}
         st.since = 0
+        st.sent_at = time.monotonic()
 
     # ------------------------------------------------------------------ checkpoints
     def extra_state(self, prepared: Prepared) -> dict[str, torch.Tensor]:
@@ -453,6 +484,7 @@ class AsyncOuterStep(Part):
         return {"outer_sent": self.sent, "outer_landed": self.landed,
                 "outer_waits": self.waits, "outer_wait_seconds": self.wait_seconds,
                 "outer_closed_early": self.closed_early,
+                "outer_partial": self.partial,
                 "outer_mean_staleness": self.staleness_sum / max(1, self.landed),
                 "outer_max_staleness": self.max_staleness,
                 "outer_shard_recoveries": self.recoveries,

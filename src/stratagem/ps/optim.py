@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
+from stratagem.ps.updates import DOWN_KINDS
+
 __all__ = ["OPTIMIZERS", "STALENESS_LR", "OUTER_GRACE", "OUTER_STALENESS", "OUTER_ROUND",
+           "OUTER_DOWNLOAD",
            "STALENESS_RULES",
            "MAX_LR", "optimizer_spec", "validate_spec", "build_optimizer",
            "check_spec", "state_layout", "supports_sparse", "jsonable"]
@@ -54,9 +57,14 @@ OUTER_STALENESS = "outer_staleness"
 #: sample moves the model by the same amount however the rounds are grouped (None: by the
 #: samples they cover, a plain weighted mean).
 OUTER_ROUND = "outer_round_samples"
+#: ``outer_download``: None, or the kind ("bf16", "fp16", "int8", "int4") the model comes
+#: down in: the shard sets its model to the encoded round update applied to the previous
+#: one, with error feedback on the shard, and serves replicas a round or a few behind the
+#: encoded updates instead of the model (:mod:`stratagem.ps.updates`).
+OUTER_DOWNLOAD = "outer_download"
 #: ``"inverse"``: weight ``1 / (1 + staleness)``; ``"none"``: no correction.
 STALENESS_RULES = ("inverse", "none")
-_SWITCHES = frozenset({STALENESS_LR, OUTER_GRACE, OUTER_STALENESS, OUTER_ROUND})
+_SWITCHES = frozenset({STALENESS_LR, OUTER_GRACE, OUTER_STALENESS, OUTER_ROUND, OUTER_DOWNLOAD})
 
 
 #: Largest learning rate a shard accepts (at register, set_hyperparams and set_state). A
@@ -129,6 +137,10 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
                                   or not 0.0 < float(per_round) <= 1e12):
         raise ValueError(f"optimizer spec key {OUTER_ROUND!r} must be null or a number in "
                          f"(0, 1e12], got {per_round!r}")
+    down = spec.get(OUTER_DOWNLOAD)
+    if down is not None and down not in DOWN_KINDS:
+        raise ValueError(f"optimizer spec key {OUTER_DOWNLOAD!r} must be null or one of "
+                         f"{list(DOWN_KINDS)}, got {down!r}")
     rule = spec.get(OUTER_STALENESS, "inverse")
     if rule not in STALENESS_RULES:
         raise ValueError(f"optimizer spec key {OUTER_STALENESS!r} must be one of "

@@ -46,8 +46,10 @@ Every refusal is a :class:`~stratagem.ps.wire.WireError` carrying the gRPC statu
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,13 +58,14 @@ from typing import Any
 import torch
 
 from stratagem.ps import optim as ps_optim
+from stratagem.ps import updates as updates_mod
 from stratagem.ps.wire import WireError
 
 __all__ = ["MODES", "Slot", "refused", "is_int", "make_slot", "check_grad", "to_slot_dtype",
            "apply_gradient", "offer", "offer_many", "elastic_exchange", "plan_hyperparameters",
            "apply_hyperparameters", "check_opt_state", "load_optimizer_state", "state_copies",
            "cost", "finite", "all_finite", "check_grads", "require_finite", "plain_sgd_lr",
-           "contribute", "close_round", "staleness_weight",
+           "contribute", "close_round", "staleness_weight", "updates_since",
            "warm_up_optimizers", "narrows", "SLOT_OVERHEAD_BYTES", "FUSE_MIN_SLOTS"]
 
 MODES = ("async", "sync", "elastic", "outer")
@@ -88,6 +91,15 @@ class Slot:
     opened_at: float | None = None
     merged: int = 0
     merged_samples: float = 0.0
+    #: outer mode with a download kind (the spec's ``outer_download``): the encoded updates
+    #: of the last rounds, ``(version after, payload)`` oldest first, and what encoding them
+    #: dropped (fp32, carried into the next; :mod:`stratagem.ps.updates`). ``lineage`` tells
+    #: this slot's versions apart from another slot's of the same name (set_state replaces a
+    #: slot): a replica's "I hold version v" counts only for the lineage it was read from.
+    updates: collections.deque[tuple[int, torch.Tensor]] = field(
+        default_factory=lambda: collections.deque(maxlen=updates_mod.HISTORY))
+    down_residual: torch.Tensor | None = None
+    lineage: int = field(default_factory=lambda: secrets.randbits(52))
     dropped: int = 0
     refused: int = 0  # steps refused because they would have made the tensor non-finite
     #: Plain SGD (no momentum, weight decay or maximize): its learning rate, for the fast
@@ -513,9 +525,15 @@ def state_copies(mode: str, spec: Any) -> int:
 
 def cost(value: torch.Tensor, mode: Any, spec: Any) -> int:
     """Bytes charged for a slot: its value, its optimizer state, the float64 sync
-    accumulator, and :data:`SLOT_OVERHEAD_BYTES`."""
+    accumulator, and :data:`SLOT_OVERHEAD_BYTES`; in outer mode with a download kind also
+    the copy taken at each outer step, the fp32 residual and the kept encoded updates."""
     acc = (value.numel() * 8 if str(mode) in ("sync", "outer") and isinstance(spec, dict)
            else 0)
+    down = spec.get(ps_optim.OUTER_DOWNLOAD) if isinstance(spec, dict) else None
+    if str(mode) == "outer" and down in updates_mod.DOWN_KINDS:
+        count, dtype = updates_mod.encoded_size(value.numel(), down)
+        acc += (value.nbytes + value.numel() * 4
+                + updates_mod.HISTORY * count * dtype.itemsize)
     return value.nbytes * (1 + state_copies(str(mode), spec)) + acc + SLOT_OVERHEAD_BYTES
 
 
@@ -633,17 +651,54 @@ def _close(slot: Slot) -> str:
     full = (slot.spec or {}).get(ps_optim.OUTER_ROUND)
     divisor = slot.acc_weight if full is None else max(slot.acc_weight, float(full))
     merged = slot.acc.div_(divisor).to(slot.value.dtype)
+    kind = (slot.spec or {}).get(ps_optim.OUTER_DOWNLOAD)
+    before = slot.value.clone() if kind is not None else None
     if finite(merged) and apply_gradient(slot, merged):
         status = "applied"
+        if before is not None and kind is not None:
+            _publish(slot, before, str(kind))
     else:
         if not finite(merged):
             slot.refused += 1
         status = "refused"
+        slot.updates.clear()  # the version moves on unchanged: replicas fetch the model
     slot.merged += slot.acc_count
     slot.merged_samples += slot.acc_weight
     # A refused round still ends (the value unchanged): waiting replicas go on.
     slot.bump()
     return status
+
+
+def _publish(slot: Slot, before: torch.Tensor, kind: str) -> None:
+    """After an outer step: set the model to ``before`` moved by the encoded update (plus what
+    earlier encodings dropped) and keep the encoding for the replicas that hold ``before``
+    (caller holds the lock; the version is bumped after)."""
+    u = slot.value.to(torch.float32) - before.to(torch.float32)
+    if slot.down_residual is not None:
+        u.add_(slot.down_residual)
+    payload = updates_mod.encode(u, kind)
+    new = updates_mod.apply(before, payload, kind)
+    if not finite(new):  # the exact step is finite, its encoding overflowed the dtype: keep it
+        slot.updates.clear()
+        slot.down_residual = None
+        return
+    slot.down_residual = u.sub_(new.to(torch.float32) - before.to(torch.float32))
+    slot.value.copy_(new)
+    slot.updates.append((slot.version + 1, payload))
+
+
+def updates_since(slot: Slot, have: int, lineage: int) -> list[tuple[int, torch.Tensor]] | None:
+    """The encoded updates from version ``have`` (of ``lineage``) to the slot's own, oldest
+    first, or None when a replica at ``have`` must fetch the model (another lineage, too old,
+    no download kind, or not smaller than the model). Caller holds the lock."""
+    if lineage != slot.lineage or not 0 <= have < slot.version or not slot.updates:
+        return None
+    chain = [(v, p) for v, p in slot.updates if v > have]
+    if not chain or chain[0][0] != have + 1 or chain[-1][0] != slot.version:
+        return None
+    if sum(p.nbytes for _, p in chain) >= slot.value.nbytes:
+        return None
+    return chain
 
 
 def contribute(slot: Slot, base: int, samples: float, delta: Callable[[], torch.Tensor],

@@ -29,7 +29,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -696,17 +696,45 @@ class ShardService:
         if not all(isinstance(v, bool) for v in (force, fetch, leaving)):
             raise _err("close_round: force, fetch and leaving must be true or false")
         self.check_count("close_round", len(versions), False)
+        have = msg.fields.get("have", {})
+        if not isinstance(have, dict) or not all(
+                k in versions and isinstance(v, list) and len(v) == 2
+                and all(_is_int(x) for x in v) for k, v in have.items()):
+            raise _err("close_round: 'have' must be an object of name (one of 'versions') -> "
+                       "[version, lineage] integers")
         slots = [self._outer_slot(n, "close_round") for n in versions]
-        if fetch:
+        if fetch:  # an encoded chain is sent only when smaller than the value: this bounds it
             self.check_reply("close_round", [(s.name, s.value.nbytes) for s in slots],
-                             extra=64 * len(slots))
+                             extra=96 * len(slots))
         now = time.monotonic()
         results = [rules.close_round(s, versions[s.name], now, force=force, leaving=leaving)
                    for s in slots]
         self._after_round(slots, [r[0] for r in results])
-        fields = {"results": results}
-        return (self.snapshot(slots, "closed", fields) if fetch
-                else wire.encode("closed", fields))
+        fields: dict[str, Any] = {"results": results}
+        if not fetch:
+            return wire.encode("closed", fields)
+        return self._values_since(slots, have, "closed", fields)
+
+    def _values_since(self, slots: Sequence[Slot], have: Mapping[str, list[int]], op: str,
+                      fields: dict[str, Any]) -> bytes:
+        """The values of ``slots`` as one consistent snapshot, each either the value or, for a
+        caller that holds an earlier version of the same lineage (``have``), the encoded
+        updates since (``fields["updates"]``: name -> how many entries, oldest first), with
+        every slot's lineage (``fields["lineage"]``)."""
+        with locked(slots):
+            entries: list[Entry] = []
+            counts: dict[str, int] = {}
+            for slot in slots:
+                held = have.get(slot.name)
+                chain = None if held is None else rules.updates_since(slot, held[0], held[1])
+                if chain is None:
+                    entries.append(Entry(slot.name, slot.value, slot.version))
+                else:
+                    counts[slot.name] = len(chain)
+                    entries.extend(Entry(slot.name, p, v) for v, p in chain)
+            out = {**fields, "updates": counts,
+                   "lineage": {slot.name: slot.lineage for slot in slots}}
+            return wire.encode(op, out, entries)
 
     def _after_round(self, slots: Sequence[Slot], statuses: Sequence[str]) -> None:
         """Wake the version waiters if a round closed; log a refused outer step."""

@@ -25,7 +25,7 @@ from stratagem.comm import bucketed
 from stratagem.compression import KINDS, check_compression
 from stratagem.errors import ParameterServerUnavailable, PeerTimeoutError, StratagemError
 from stratagem.ps import optim as ps_optim
-from stratagem.ps import shm, wire
+from stratagem.ps import shm, updates, wire
 from stratagem.ps.addresses import is_on_this_host
 from stratagem.ps.placement import Part, Partitioner, Placement, place, specs_of
 from stratagem.ps.transport import PSClient, PSFuture, RemoteError, Request, refused_request
@@ -86,6 +86,9 @@ class RoundEnd(NamedTuple):
     part_versions: dict[str, int]
     closed_early: int
     waited: float
+    #: per part key, the lineage of the slot its value was read from (see
+    #: :func:`stratagem.ps.rules.updates_since`)
+    lineages: dict[str, int]
 
 
 def _rows(t: torch.Tensor, p: Part) -> torch.Tensor:
@@ -695,7 +698,7 @@ class ShardedParameters:
         (blockwise, each part quantized alone); with a quantized kind, ``lost[name]`` (fp32,
         the tensor's shape) receives what quantization dropped, for error feedback."""
         from stratagem.compression import ASYNC_OUTER_KINDS
-        from stratagem.quantize import DEFAULT_BLOCK, QUANT_KINDS, quantize
+        from stratagem.quantize import QUANT_KINDS
 
         check_compression(compression, name="compression", kinds=ASYNC_OUTER_KINDS)
         reqs: list[Request] = []
@@ -706,16 +709,10 @@ class ShardedParameters:
                 d = _rows(deltas[p.name].detach(), p)
                 base = int(base_versions[p.key])
                 if compression in QUANT_KINDS:
-                    flat = d.reshape(-1).float()
-                    pad = -flat.numel() % DEFAULT_BLOCK
-                    if pad:
-                        flat = torch.cat([flat, flat.new_zeros(pad)])
-                    payload = quantize(flat, compression)
+                    payload = updates.encode(d, compression)
                     if lost is not None:
-                        from stratagem.quantize import dequantize
-
-                        back = dequantize(payload, compression, flat.numel())[:d.numel()]
-                        _rows(lost[p.name], p).copy_(d.float() - back.view(d.shape))
+                        back = updates.decode(payload, compression, d)
+                        _rows(lost[p.name], p).copy_(d.float() - back)
                     entries.append(Entry(p.key, payload, base))
                 else:
                     cdtype = KINDS[compression]
@@ -736,13 +733,21 @@ class ShardedParameters:
         return self.client.submit(reqs, finish).result()
 
     def finish_round(self, joined: Contribution, *, grace: float | None, force: bool = False,
-                     leaving: bool = False, timeout: float | None = None) -> RoundEnd:
+                     leaving: bool = False, timeout: float | None = None,
+                     have: Mapping[str, tuple[int, int]] | None = None,
+                     base: Mapping[str, torch.Tensor] | None = None,
+                     down: str | None = None) -> RoundEnd:
         """Wait for the rounds ``joined`` left open to close (at most ``grace`` seconds, None:
         until ``timeout``), then close those still open (their grace window has passed on the
         shard's clock; ``force``: at once, without waiting) and fetch the newest values.
         Raises :class:`stratagem.errors.PeerTimeoutError` when a round is still open after
         ``timeout`` seconds (no grace window and too few contributions). ``leaving``: this
-        was the replica's last pseudo-gradient; later rounds need one fewer."""
+        was the replica's last pseudo-gradient; later rounds need one fewer.
+
+        ``have`` (part key -> (version, lineage)), ``base`` (name -> the values held) and
+        ``down`` (the slots' ``outer_download`` kind): a part whose shard still keeps the
+        encoded updates since the version held comes back as them, applied here to ``base``
+        (:mod:`stratagem.ps.updates`); the result is bitwise the shard's value."""
         wait = self.client.timeout if timeout is None else float(timeout)
         t0 = time.monotonic()
         deadline = t0 + wait
@@ -759,8 +764,12 @@ class ShardedParameters:
                 keys = [p.key for p in parts]
                 # -1 for a part whose round is not ours to close: only its value comes back.
                 versions = {k: int(open_keys.get(k, -1)) for k in keys}
-                reqs.append((shard, "close_round", {"versions": versions, "force": force,
-                                                    "leaving": leaving, "fetch": True}, ()))
+                fields: dict[str, Any] = {"versions": versions, "force": force,
+                                          "leaving": leaving, "fetch": True}
+                if have is not None and base is not None and down is not None:
+                    fields["have"] = {k: [int(have[k][0]), int(have[k][1])]
+                                      for k in keys if k in have}
+                reqs.append((shard, "close_round", fields, ()))
                 order.append(keys)
             leaving = False  # once per slot
             msgs = self.client.submit(reqs, lambda ms: ms).result()
@@ -772,12 +781,16 @@ class ShardedParameters:
                     elif status == "open":
                         still[k] = version
             if not still:
+                lineages = {k: int(v) for m in msgs
+                            for k, v in (m.fields.get("lineage") or {}).items()
+                            if isinstance(v, int)}
+                msgs = [self._rebuilt(m, base, down) for m in msgs]
                 values = self._assemble(msgs, self.names)
                 seen = {e.name: int(e.version or 0) for m in msgs for e in m.entries}
                 versions_by_name = {n: min(seen[p.key] for p in self._parts[n])
                                     for n in self.names}
                 return RoundEnd(values, versions_by_name, seen, closed_early,
-                                time.monotonic() - t0)
+                                time.monotonic() - t0, lineages)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PeerTimeoutError(
@@ -788,6 +801,44 @@ class ShardedParameters:
             open_keys = still
             self._wait_keys({k: v + 1 for k, v in still.items()},
                             remaining if grace is None else min(remaining, 0.5))
+
+    def _rebuilt(self, m: Message, base: Mapping[str, torch.Tensor] | None,
+                 down: str | None) -> Message:
+        """``m`` with each chain of encoded updates (``fields["updates"]``: key -> count, the
+        entries in order) replaced by the value it rebuilds from ``base``; a chain that is
+        not one (a count out of range, entries of another name, a payload of the wrong size)
+        raises :class:`StratagemError` before anything is applied."""
+        counts = m.fields.get("updates") or {}
+        if not counts:
+            return m
+        if not isinstance(counts, dict) or base is None or down is None:
+            raise StratagemError(f"a parameter-server shard sent encoded model updates "
+                                 f"({counts!r}) that this replica did not ask for")
+        entries: list[Entry] = []
+        i, es = 0, m.entries
+        while i < len(es):
+            e = es[i]
+            c = counts.get(e.name)
+            if c is None:
+                entries.append(e)
+                i += 1
+                continue
+            part = self._part_by_key.get(e.name)
+            if (part is None or not isinstance(c, int) or isinstance(c, bool)
+                    or not 1 <= c <= updates.HISTORY or i + c > len(es)
+                    or any(x.name != e.name for x in es[i:i + c])):
+                raise StratagemError(f"a parameter-server shard sent a malformed chain of "
+                                     f"encoded updates for {e.name!r} (count {c!r})")
+            value = _rows(base[part.name].detach(), part).to("cpu")
+            try:
+                for x in es[i:i + c]:
+                    value = updates.apply(value, x.tensor, down)
+            except ValueError as exc:
+                raise StratagemError(f"a parameter-server shard sent an encoded update for "
+                                     f"{e.name!r} that is not one: {exc}") from None
+            entries.append(Entry(e.name, value, es[i + c - 1].version))
+            i += c
+        return Message(m.op, m.fields, entries, m.nbytes)
 
     def leave_rounds(self) -> None:
         """Tell the shards this replica sends no more pseudo-gradients (it finished training):

@@ -160,8 +160,11 @@ class DiLoCo(Strategy):
     no correction), staleness being the rounds closed since the model it was computed on. A
     replica moves onto the new global model when its round closes, keeping the steps taken
     meanwhile; it waits only when that round is still open at its next pseudo-gradient.
-    ``compression``: None, "bf16", "fp16", "int8", "int4" (with error feedback); not
-    ``fragments``, ``sync_delay``, ``alpha`` or "topk". Each replica starts alone (a
+    ``compression``: None, "bf16", "fp16", "int8", "int4" (with error feedback), both ways:
+    with ``compress_download`` (default) the global model comes back as the rounds' updates
+    in the same kind (the shards keep error feedback of their own, and their model is
+    exactly what the replicas rebuild), a replica more than a few rounds behind fetches the
+    model; not ``fragments``, ``sync_delay``, ``alpha`` or "topk". Each replica starts alone (a
     restarted one from the newest global model): failures are survived by restarting the
     dead replica (``max_restarts``), not by ``fault_tolerant=True``, which is refused.
     Checkpoints hold the global model and the outer optimizer's state under synchronous
@@ -182,7 +185,7 @@ class DiLoCo(Strategy):
                  sync_delay: int = 0, alpha: float = 0.0, mode: str = "sync",
                  min_contributions: int | None = None, grace_window: float | None = 30.0,
                  staleness: str = "inverse", ps_addresses: str | Sequence[str] | None = None,
-                 **common: Any) -> None:
+                 compress_download: bool = True, **common: Any) -> None:
         check_choice("mode", mode, ("sync", "async"),
                      fix="pass mode='sync' (all-reduce every period) or mode='async' (the "
                          "global model on parameter-server shards, no replica waits)")
@@ -198,12 +201,16 @@ class DiLoCo(Strategy):
                                       "that close only when full")
             check_choice("staleness", staleness, STALENESS_RULES,
                          fix="pass 'inverse' (weight 1 / (1 + staleness)) or 'none'")
+            if not isinstance(compress_download, bool):
+                raise TypeError(f"compress_download must be True or False, got "
+                                f"{compress_download!r}")
             self.ps_addresses = shard_addresses(ps_addresses, who="DiLoCo(mode='async')")
         else:
             for key, value, default in (("min_contributions", min_contributions, None),
                                         ("grace_window", grace_window, 30.0),
                                         ("staleness", staleness, "inverse"),
-                                        ("ps_addresses", ps_addresses, None)):
+                                        ("ps_addresses", ps_addresses, None),
+                                        ("compress_download", compress_download, True)):
                 if value != default:
                     raise ValueError(f"{key} only applies to mode='async', got {key}="
                                      f"{value!r} with mode='sync'. Fix: drop {key}, or pass "
@@ -211,6 +218,7 @@ class DiLoCo(Strategy):
         self.min_contributions = min_contributions
         self.grace_window = None if grace_window is None else float(grace_window)
         self.staleness = staleness
+        self.compress_download = compress_download
         self.period = check_int(
             "period", period, minimum=1,
             fix="pass the number of inner steps between outer steps, e.g. 500")
@@ -274,7 +282,7 @@ class DiLoCo(Strategy):
                 period=self.period, outer_optimizer=factory, compression=self.compression,
                 min_contributions=self.min_contributions, grace_window=self.grace_window,
                 staleness=self.staleness, ps_addresses=self.ps_addresses,
-                timeout=self.timeout))
+                timeout=self.timeout, compress_download=self.compress_download))
         return Plan(OuterStep.spec(period=self.period, outer_optimizer=factory,
                                    fragments=self.fragments, compression=self.compression,
                                    sync_delay=self.sync_delay, alpha=self.alpha))
