@@ -392,7 +392,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop a run after this many seconds of training")
     p.add_argument("--kill-every", type=float, default=15.0,
                    help="cases with kills: SIGKILL a random replica every this many seconds")
-    p.add_argument("--kill-steps", type=int, default=1280,
+    p.add_argument("--kill-steps", type=int, default=1920,
                    help="cases with kills: the sample budget in steps (long enough for >= 5 "
                         "kills)")
     p.add_argument("--timeout", type=float, default=120.0)
