@@ -244,6 +244,32 @@ def test_ps_worker_on_cuda_with_cpu_shards_equals_one_device(shards, tmp_path):
     ps.close()
 
 
+@pytest.mark.parametrize("compression", [None, "int4"])
+def test_async_diloco_on_cuda_with_cpu_shards_equals_cpu(compression, tmp_path):
+    # One replica, so each round closes on its own pseudo-gradient: deterministic. The
+    # fetched model (and, with int4, the encoded updates rebuilt on the host) lands on the
+    # CUDA parameters.
+    from stratagem.ps.server import start_local_shards
+
+    states = {}
+    for device in (CUDA, "cpu"):
+        servers, addrs = start_local_shards(1)
+        try:
+            s = sg.DiLoCo(mode="async", period=2, ps_addresses=addrs, comm=sg.Comm.single(),
+                          device=device, timeout=30, compression=compression)
+            model, _, _, _ = _train(s, steps=8)
+            assert all(p.device.type == torch.device(device).type
+                       for p in s.unwrap(model).parameters())
+            assert s.metrics()["outer_landed"] >= 3
+            s.finalize(model)
+            states[device] = _cpu_state(s.unwrap(model))
+            s.close()
+        finally:
+            for srv in servers:
+                srv.stop(0)
+    _assert_states(states[CUDA], states["cpu"], atol=1e-4, rtol=1e-4)
+
+
 # ----------------------------------------------------------------- sharded (FSDP2)
 
 

@@ -352,9 +352,10 @@ class AsyncOuterStep(Part):
         with torch.no_grad():
             for i, (k, t, old) in enumerate(zip(st.keys, st.tensors, flight.sent,
                                                 strict=True)):
-                new = end.values[k]
-                t.add_(new.to(t.dtype) - old)
-                st.base[i] = new.to(t.dtype)
+                # The fetch is on the host; the parameter may be on an accelerator.
+                new = end.values[k].to(device=t.device, dtype=t.dtype)
+                t.add_(new - old)
+                st.base[i] = new
                 if st.residual is not None and flight.lost is not None:
                     st.residual[i].copy_(flight.lost[k])
         st.base_versions = dict(end.part_versions)
