@@ -307,7 +307,7 @@ class AsyncOuterStep(Part):
                 end = table.finish_round(
                     joined, grace=self.grace_window, force=force, leaving=leaving,
                     timeout=self.timeout, have=have, down=self.down,
-                    base=dict(zip(table.names, base, strict=True)))
+                    base=None if have is None else dict(zip(table.names, base, strict=True)))
                 return joined, end
             except (ParameterServerUnavailable, RemoteError) as exc:
                 lost_shard = (isinstance(exc, ParameterServerUnavailable)

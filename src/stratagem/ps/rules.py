@@ -655,7 +655,7 @@ def _close(slot: Slot) -> str:
     before = slot.value.clone() if kind is not None else None
     if finite(merged) and apply_gradient(slot, merged):
         status = "applied"
-        if before is not None and kind is not None:
+        if before is not None:
             _publish(slot, before, str(kind))
     else:
         if not finite(merged):

@@ -37,12 +37,12 @@ import torch
 
 from stratagem.compression import ASYNC_OUTER_KINDS
 from stratagem.ps import optim as ps_optim
-from stratagem.ps import rules, wire
+from stratagem.ps import rules, updates, wire
 from stratagem.ps.rules import Slot
 from stratagem.ps.rules import is_int as _is_int
 from stratagem.ps.rules import refused as _err
 from stratagem.ps.wire import Entry, Message, WireError
-from stratagem.quantize import DEFAULT_BLOCK, QUANT_KINDS, dequantize, payload_bytes
+from stratagem.quantize import DEFAULT_BLOCK, QUANT_KINDS
 from stratagem.validation import check_int, check_number
 
 __all__ = ["Abort", "ShardService", "Throttle", "Wait", "field_float", "field_int",
@@ -870,8 +870,7 @@ def _dequantized(slot: Slot, payload: torch.Tensor, kind: str) -> torch.Tensor:
     """The fp32 pseudo-gradient of ``slot`` carried by a quantized ``payload`` (the tensor's
     values padded to whole blocks): its size checked first, NaN or Inf refused after."""
     n = slot.value.numel()
-    padded = -(-n // DEFAULT_BLOCK) * DEFAULT_BLOCK
-    want = payload_bytes(padded, kind)
+    want, _ = updates.encoded_size(n, kind)
     if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != want:
         raise _err(f"{kind} pseudo-gradient for {slot.name!r} must be a 1-D uint8 payload of "
                    f"{want} bytes ({n} values in blocks of {DEFAULT_BLOCK}), got "
@@ -879,7 +878,7 @@ def _dequantized(slot: Slot, payload: torch.Tensor, kind: str) -> torch.Tensor:
     if not slot.value.is_floating_point():
         raise _err(f"tensor {slot.name!r} is not floating point; it cannot take a quantized "
                    "pseudo-gradient")
-    delta = dequantize(payload, kind, padded)[:n].reshape(slot.value.shape)
+    delta = updates.decode(payload, kind, slot.value)
     rules.require_finite(delta, f"pseudo-gradient for {slot.name!r}")
     return rules.to_slot_dtype(slot, delta, "pseudo-gradient")
 
