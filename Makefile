@@ -1,6 +1,8 @@
 # Every target creates .venv if it is missing and installs the project into it.
 # torch is pinned here (the package itself declares torch>=2.4): an open range would pull a CUDA build.
 # torchft-nightly is pinned to the nightly tested here (a newer one may ask for a newer torch).
+# ray is pinned to the release tests/test_ray.py was run with (stratagem.ray uses Ray Train's
+# replica-group restarts, which are not public API).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +16,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check torchft-nightly==2026.10.26
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[examples,dev,ft]'
+	$(BIN)/pip install -q --disable-pip-version-check ray[train]==2.60.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[examples,dev,ft,ray]'
 	scripts/install-slurm.sh
 	touch $(STAMP)
 

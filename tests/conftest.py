@@ -19,7 +19,7 @@ _SLOW_FILES_FIRST = (
     # By their measured seconds in one `make test` run (longest first), so that the two
     # pytest workers (--dist loadfile: a file at a time) do not end with one long file
     # running alone: 304, 114, 102, 87, 71, 69, 68, 57, 54, 53, 52, 47, 45, 43, 38, 38 s.
-    "test_bench_smoke.py", "test_slurm.py", "test_sharded.py", "test_ft_processes.py",
+    "test_bench_smoke.py", "test_ray.py", "test_slurm.py", "test_sharded.py", "test_ft_processes.py",
     "test_ft_intrusion.py", "test_multinode.py", "test_launch.py", "test_examples.py",
     "test_chaos.py", "test_async_diloco.py", "test_multinode_ft.py", "test_resume.py",
     "test_cli.py",
@@ -34,7 +34,7 @@ _SLOW_FILES_FIRST = (
 _CHAOS_FILES = frozenset({
     "test_chaos.py", "test_ft_processes.py", "test_ft_group_processes.py", "test_multinode.py",
     "test_multinode_ft.py", "test_resume.py", "test_ps_faults.py", "test_network_exposure.py",
-    "test_clean_exit.py", "test_faults.py", "test_ft_intrusion.py"})
+    "test_clean_exit.py", "test_faults.py", "test_ft_intrusion.py", "test_ray.py"})
 _INTEGRATION_FILES = frozenset({
     "test_gpu.py", "test_hostile_poisoning_and_bloat.py", "test_rpc.py", "test_security.py", "test_shm.py",
     "test_hostile.py", "test_shard_hostile_peers.py", "test_bad_inputs.py", "test_cli.py", "test_examples.py",
