@@ -43,7 +43,8 @@ _ENV = {"RAY_DEDUP_LOGS": "0", "RUST_LOG": "warn",
         # Ray Train's controller polls its workers (reports, failures) every 0.5 s, not 2 s.
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "OMP_NUM_THREADS": "1",
         # The training functions' module, and stratagem from this checkout, on every worker.
-        "PYTHONPATH": os.pathsep.join([str(HERE / "ray_scripts"), str(HERE.parent / "src"),
+        "PYTHONPATH": os.pathsep.join([str(HERE / "ray_scripts"), str(HERE.parent / "examples"),
+                                       str(HERE.parent / "src"),
                                        os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 _NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
 
@@ -133,7 +134,8 @@ def _progress(out: Path, rank: int) -> int:
         return 0
 
 
-def test_mirrored_trains_as_one_job_and_resumes_bitwise_from_a_ray_checkpoint(cluster, tmp_path):
+def test_mirrored_resumes_bitwise_from_a_ray_checkpoint_and_diloco_continues_it(cluster,
+                                                                                 tmp_path):
     whole, out = _fit(tmp_path / "a", "whole", {"strategy": "mirrored", "steps": 8,
                                                 "ckpt_every": 4})
     assert whole.error is None
@@ -152,21 +154,16 @@ def test_mirrored_trains_as_one_job_and_resumes_bitwise_from_a_ray_checkpoint(cl
     _assert_equal(_final(out2, 0), _final(out, 0))
     first, again = _result(out, 0)["losses"], _result(out2, 0)["losses"]
     assert {k: again[k] for k in ("5", "6", "7", "8")} == {k: first[k] for k in ("5", "6", "7", "8")}
-
-
-def test_diloco_trains_and_its_checkpoint_restores_into_mirrored(cluster, tmp_path):
-    result, out = _fit(tmp_path / "a", "diloco", {"strategy": "diloco", "steps": 6,
-                                                  "ckpt_every": 6})
-    assert result.error is None
-    for rank in (0, 1):
-        assert (_result(out, rank)["steps"], _result(out, rank)["world_size"]) == (6, 2)
-    _assert_equal(_final(out, 0), _final(out, 1))  # the outer step leaves replicas equal
-    # Restored under another strategy: Mirrored continues from DiLoCo's step and model.
-    more, out2 = _fit(tmp_path / "b", "mirrored", {"strategy": "mirrored", "steps": 8},
-                      resume=result.checkpoint)
+    # Under another strategy: DiLoCo trains on from Mirrored's step 8 as one job of 2, and
+    # its outer steps leave the replicas equal.
+    more, out3 = _fit(tmp_path / "c", "diloco", {"strategy": "diloco", "steps": 14},
+                      resume=ckpts[8])
     assert more.error is None
-    assert (out2 / "start.0").read_text().split() == ["6"]
-    assert _result(out2, 0)["steps"] == 8
+    assert (out3 / "start.0").read_text().split() == ["8"]
+    for rank in (0, 1):
+        assert (_result(out3, rank)["steps"], _result(out3, rank)["world_size"]) == (14, 2)
+    _assert_equal(_final(out3, 0), _final(out3, 1))
+    assert min(_result(out3, 0)["losses"].values()) < min(first.values())
 
 
 def _remove_node_of(cluster, out: Path, rank: int) -> str:
@@ -291,3 +288,19 @@ def test_fault_tolerant_replica_on_a_removed_node_is_replaced_alone_and_healed(c
     # survivor trained on while its peer was away.
     assert min(int(k) for k in r1["losses"]) > removed_at, (r1["losses"], removed_at)
     _assert_equal(_final(out, 0), _final(out, 1))
+
+
+def test_the_ray_example_trains_mnist_and_reports_a_checkpoint(cluster, tmp_path):
+    """examples/ray_train.py (docs/guide.md, "Ray Train"), its trainer as written."""
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    try:
+        import ray_train
+    finally:
+        sys.path.remove(str(HERE.parent / "examples"))
+    args = ray_train.parse(["--steps", "60", "--ckpt-every", "30", "--name", "example",
+                            "--storage", str(tmp_path / "ray_results")])
+    result = ray_train.trainer(args).fit()
+    assert result.error is None
+    assert result.metrics["replicas"] == 2 and result.metrics["step"] == 60
+    assert result.metrics["test_accuracy"] > 0.7, result.metrics  # 0.768 here (chance: 0.1)
+    assert (Path(result.checkpoint.path) / sg_ray.CHECKPOINT_DIR / "manifest.json").is_file()

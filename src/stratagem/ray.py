@@ -74,6 +74,9 @@ CHECKPOINT_DIR = "stratagem"
 _LIFE_ENV = "TORCHELASTIC_RESTART_COUNT"
 #: Set in a worker of a :class:`FaultTolerantConfig` run: the private folder of its secret.
 _FT_DIR_ENV = "STRATAGEM_RAY_FT_DIR"
+#: Seconds the backend waits for the quorum actor and for a worker's set-up (a
+#: ``ray.exceptions.GetTimeoutError`` after that: Ray counts it as a failed start).
+_SETUP_TIMEOUT = 120.0
 
 
 def report(strategy: Any, metrics: dict[str, Any] | None = None, *, checkpoint: bool = False,
@@ -307,13 +310,14 @@ class _Backend(_TorchBackend):  # type: ignore[misc]
                     node_id=ray.get_runtime_context().get_node_id(), soft=False),
             ).remote(num_slots, backend_config.min_replicas)
             self._num_slots = num_slots
-        address, token, floor = ray.get(self._actor.info.remote())
-        ranks = worker_group.execute(_world_rank)
+        address, token, floor = ray.get(self._actor.info.remote(), timeout=_SETUP_TIMEOUT)
+        ranks = ray.get(worker_group.execute_async(_world_rank), timeout=_SETUP_TIMEOUT)
         if replacing:
             for slot in ranks:
                 self._lives[slot] = self._lives.get(slot, 0) + 1
-                ray.get(self._actor.forget.remote(slot))
-        worker_group.execute(_join, address, token, self._num_slots, floor, dict(self._lives))
+                ray.get(self._actor.forget.remote(slot), timeout=_SETUP_TIMEOUT)
+        ray.get(worker_group.execute_async(_join, address, token, self._num_slots, floor,
+                                           dict(self._lives)), timeout=_SETUP_TIMEOUT)
 
     def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
         with contextlib.suppress(Exception):
