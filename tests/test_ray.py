@@ -36,7 +36,9 @@ from safetensors.torch import load_file  # noqa: E402
 
 import stratagem.ray as sg_ray  # noqa: E402
 
-pytestmark = pytest.mark.chaos  # processes, Ray's daemons, nodes removed mid-run
+pytestmark = [pytest.mark.chaos,  # processes, Ray's daemons, nodes removed mid-run
+              # Each Ray fit is 25-90 s of worker start-up on 2 busy cores; a test runs 1-3.
+              pytest.mark.timeout(420)]
 
 HERE = Path(__file__).resolve().parent
 _ENV = {"RAY_DEDUP_LOGS": "0", "RUST_LOG": "warn",
