@@ -129,6 +129,13 @@ def _steps_since_restart(out: Path, rank: int) -> int:
     return 0 if len(starts) < 2 else len(lines) - starts[1] - 1
 
 
+def _steps_before_restart(out: Path, rank: int) -> int:
+    """The last step ``rank`` trained before its second start."""
+    lines = (out / f"times.{rank}").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("start ")]
+    return max(int(line.split()[1]) for line in lines[:starts[1]] if line.startswith("step "))
+
+
 def _progress(out: Path, rank: int) -> int:
     try:
         return int((out / f"progress.{rank}").read_text() or 0)
@@ -218,7 +225,10 @@ def test_a_removed_node_restarts_the_job_from_its_last_ray_checkpoint(cluster, t
     for rank in (0, 1):
         starts = [int(s) for s in (out / f"start.{rank}").read_text().split()]
         assert starts[0] == 0 and len(starts) == 2, starts  # restarted once, every worker
-        assert starts[1] > 0 and starts[1] % 5 == 0 and starts[1] <= done["at"], starts
+        # From a reported checkpoint (every 5 steps), not from step 0. The workers may train
+        # on for a few steps after the removal until Ray declares the node dead.
+        reached = _steps_before_restart(out, rank)
+        assert starts[1] > 0 and starts[1] % 5 == 0 and starts[1] <= reached, (starts, reached)
         assert _result(out, rank)["steps"] == 30
     assert _pids(out, 1)[-1][1] != done["node"]  # the replacement runs on another node
     _assert_equal(_final(out, 0), _final(out, 1))
