@@ -45,6 +45,7 @@ with ``TorchftConfig`` in Ray 2.55/2.56) is not public API: every use of it is i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -267,6 +268,7 @@ def _join(address: str, token: bytes, num_slots: int, min_replicas: int,
     if old and os.path.basename(old).startswith("stratagem-ray-ft-"):
         shutil.rmtree(old, ignore_errors=True)  # ours, from an earlier start of this worker
     os.environ[_FT_DIR_ENV] = folder
+    atexit.register(shutil.rmtree, folder, True)  # a worker Ray kills leaves it behind
     os.environ.update(worker_env(slot=slot, num_slots=num_slots, lighthouse=address,
                                  min_replicas=min_replicas, token_file=path,
                                  host=ray.util.get_node_ip_address()))
