@@ -31,7 +31,7 @@ dies, Ray (2.60) replaces that worker alone; its replacement is healed live from
 by stratagem's fault-tolerance layer and the survivors go on, never restarted. The quorum
 service is stratagem's own, admitting only members that prove the job's secret (not
 torchft's unauthenticated Lighthouse, which Ray's ``TorchftConfig`` starts on every
-interface): it runs in an actor on the Ray head's node, bound to that node's address, and
+interface): it runs in an actor on the node of Ray Train's controller (the head, by default), bound to that node's address, and
 its secret reaches the workers through Ray's own calls, each writing it to a private 0600
 file (a Ray cluster runs any code its members send, so the secret is as safe as the cluster).
 Without ``FaultTolerantConfig`` (the default ``TorchConfig``), a lost worker makes Ray restart
@@ -237,8 +237,8 @@ class _QuorumActor:
                                      host=host, allow_remote=not is_loopback(host))
         self.token = read_token_file(self.service.token_file)
 
-    def info(self) -> tuple[str, bytes, int]:
-        return self.service.address(), self.token, self.service.min_replicas
+    def info(self) -> tuple[str, bytes]:
+        return self.service.address(), self.token
 
     def forget(self, slot: int) -> None:
         """Drop the ids replica ``slot`` was heard under: Ray has replaced it."""
@@ -312,13 +312,14 @@ class _Backend(_TorchBackend):  # type: ignore[misc]
                     node_id=ray.get_runtime_context().get_node_id(), soft=False),
             ).remote(num_slots, backend_config.min_replicas)
             self._num_slots = num_slots
-        address, token, floor = ray.get(self._actor.info.remote(), timeout=_SETUP_TIMEOUT)
+        address, token = ray.get(self._actor.info.remote(), timeout=_SETUP_TIMEOUT)
         ranks = ray.get(worker_group.execute_async(_world_rank), timeout=_SETUP_TIMEOUT)
         if replacing:
             for slot in ranks:
                 self._lives[slot] = self._lives.get(slot, 0) + 1
                 ray.get(self._actor.forget.remote(slot), timeout=_SETUP_TIMEOUT)
-        ray.get(worker_group.execute_async(_join, address, token, self._num_slots, floor,
+        ray.get(worker_group.execute_async(_join, address, token, self._num_slots,
+                                           backend_config.min_replicas,
                                            dict(self._lives)), timeout=_SETUP_TIMEOUT)
 
     def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
