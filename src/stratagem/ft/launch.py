@@ -108,6 +108,11 @@ class QuorumService:
         """The ids replica (group) ``slot`` has been heard under."""
         return self._server.ids_of(f"slot{slot}:")
 
+    def asked_since(self, slot: int, since: float) -> bool:
+        """Whether replica (group) ``slot`` has asked for a quorum at or after ``since``
+        (``time.monotonic()``, this process's clock)."""
+        return self._server.asked_since(f"slot{slot}:", since)
+
     def forget(self, ids: set[str]) -> None:
         """Forget ``ids`` of replicas the launcher knows are dead (see
         :meth:`~stratagem.ft.quorum.VerifiedQuorumService.evict`)."""

@@ -210,6 +210,8 @@ class VerifiedQuorumService:
         self._cond = threading.Condition()
         self._participants: dict[str, _Joined] = {}
         self._heartbeats: dict[str, float] = {}
+        #: replica id -> when it last asked for a quorum (forgotten with its heartbeat)
+        self._asked: dict[str, float] = {}
         self._prev: _Quorum | None = None
         self._quorum_id = 0
         self._seq = 0
@@ -254,12 +256,19 @@ class VerifiedQuorumService:
         with self._cond:
             return {rid for rid in self._heartbeats if rid.startswith(base)}
 
+    def asked_since(self, base: str, since: float) -> bool:
+        """Whether a replica id whose base starts with ``base`` has asked for a quorum at or
+        after ``since`` (``time.monotonic()``)."""
+        with self._cond:
+            return any(rid.startswith(base) and t >= since for rid, t in self._asked.items())
+
     def evict(self, ids: set[str]) -> None:
         """Forget ``ids`` now (their processes are known dead: the launcher reaped them), so
         the next quorum does not wait for their heartbeats to age out."""
         with self._cond:
             for rid in ids:
                 self._heartbeats.pop(rid, None)
+                self._asked.pop(rid, None)
                 self._participants.pop(rid, None)
             self._tick_locked(time.monotonic())
 
@@ -309,6 +318,7 @@ class VerifiedQuorumService:
                 now = time.monotonic()
                 deadline = now + wait
                 self._heartbeats[rid] = now  # an implicit heartbeat
+                self._asked[rid] = now
                 self._participants[rid] = _Joined(now, member, raw)
                 seq = self._seq
                 self._tick_locked(now)
@@ -344,6 +354,7 @@ class VerifiedQuorumService:
         for rid, seen in list(self._heartbeats.items()):
             if now - seen > FORGET_AFTER:
                 del self._heartbeats[rid]
+                self._asked.pop(rid, None)
                 self._participants.pop(rid, None)
         members = self._compute(now)
         if members is None:

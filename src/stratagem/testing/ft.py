@@ -20,7 +20,7 @@ results in slot order. Faults are declared, as torchft's tests do
 
 A replacement must find someone to heal from, however slowly it starts: after a death with
 ``restart``, the other replicas' ``check`` holds them (at most ``REPLACEMENT_WAIT`` seconds)
-until the replacement asks for its first quorum. A real job gets the same from its launcher
+until the replacement's first quorum request has reached the quorum service. A real job gets the same from its launcher
 (a warm spare restarted at once) and from training longer than a restart takes; threads on a
 loaded 2-core machine got neither: the survivors of a 16-step run finished before the
 replacement had built its model, and it found nobody to heal from.
@@ -113,16 +113,39 @@ class ReplicaFaults:
             self._fail[slot].discard(step + 1)
             comm.inject_failure()
 
-    def announce(self, comm: FaultTolerantComm) -> None:
+    def announce(self, comm: FaultTolerantComm,
+                 asked: Callable[[float], bool] | None = None) -> None:
         """Make a replacement's first quorum request release the survivors waiting in
-        :meth:`check` (called by :func:`run_replicas` on every replacement's Comm)."""
+        :meth:`check` (called by :func:`run_replicas` on every replacement's Comm).
+
+        ``asked(since)`` tells whether the replacement's request has reached the quorum
+        service at or after ``since``: the survivors are released only then. Released
+        before it (when the replacement merely started asking), a survivor whose last quorum
+        was itself alone formed its next ones alone at once (a quorum whose members of the
+        last one are all back forms without waiting, as torchft's does), finished before the
+        request arrived, and left the replacement nobody to heal from (CI, a loaded 2-core
+        machine)."""
         begin = comm.begin
 
-        def first_begin() -> None:
-            comm.begin = begin  # type: ignore[method-assign]
+        def release() -> None:
             with self._lock:
                 self._replacing = max(0, self._replacing - 1)
                 self._replaced.notify_all()
+
+        def release_once_asked(since: float) -> None:
+            end = time.monotonic() + REPLACEMENT_WAIT
+            while (not self.stopped and time.monotonic() < end
+                   and not asked(since)):  # type: ignore[misc]
+                time.sleep(0.01)
+            release()
+
+        def first_begin() -> None:
+            comm.begin = begin  # type: ignore[method-assign]
+            if asked is None:
+                release()
+            else:
+                threading.Thread(target=release_once_asked, args=(time.monotonic(),),
+                                 daemon=True, name=f"announce{comm.replica}").start()
             begin()
 
         comm.begin = first_begin  # type: ignore[method-assign]
@@ -179,7 +202,7 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 if group_size > 1 else None, quorum_every=quorum_every,
                 quorum_timeout=quorum_timeout)
             if life > 0 and faults is not None:
-                faults.announce(comm)
+                faults.announce(comm, lambda since, slot=slot: service.asked_since(slot, since))
             results[slot * group_size + rank] = fn(comm, *args)
         except ReplicasStopped:
             pass
