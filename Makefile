@@ -27,16 +27,17 @@ demo: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 src > /dev/null
 	$(BIN)/stratagem demo
 
-# Two pytest workers (pytest-xdist), a test file each: launched-process tests spend much of
-# their time waiting (start-up, timeouts, restarts), so two at a time fit 2 cores. One quiet
-# run (ae9c47a): 820 s of pytest, 1.7 cores busy; tests/conftest.py starts the slowest files
-# first.
+# Three pytest workers (pytest-xdist), a test file each: launched-process tests spend much of
+# their time waiting (start-up, timeouts, restarts), so three at a time fit 2 cores (two left
+# 0.3 of a core idle). Beside one busy process: two workers 804 s without the Ray tests
+# (which failed at once), three workers 861 s with them (6327320, one run each);
+# tests/conftest.py starts the slowest files first.
 # compileall first: the suite starts many processes (sg.launch, stratagem run, spawned ranks),
 # each importing stratagem and a test module. Where PYTHONDONTWRITEBYTECODE is set (as on
 # this project's machines) nothing caches their bytecode, so each process compiled them again.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 src tests examples > /dev/null
-	$(BIN)/python -m pytest -x -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -x -n 3 --dist loadfile --durations=15
 
 # The edit loop: the unit tier only (ranks as threads, no launched process; tests/conftest.py
 # assigns the tiers and fails a unit test that starts a process). `make test` runs every tier.

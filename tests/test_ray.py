@@ -5,7 +5,8 @@ and the third takes a worker whose node a test removed).
 
 Everything binds to loopback: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray use
 127.0.0.1 as every node's address (Ray's default is the machine's outward address), the
-dashboard is off, Ray's temporary files go to a private folder, usage stats are off.
+dashboard is off, Ray's temporary files go to a private folder (``RAY_TMPDIR``), usage stats
+are off.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from safetensors.torch import load_file  # noqa: E402
 import stratagem.ray as sg_ray  # noqa: E402
 
 pytestmark = [pytest.mark.chaos,  # processes, Ray's daemons, nodes removed mid-run
-              # Each Ray fit is 25-90 s of worker start-up on 2 busy cores; a test runs 1-3.
+              # Each Ray fit is 25-120 s of worker start-up on 2 busy cores; a test runs 1-2.
               pytest.mark.timeout(420)]
 
 HERE = Path(__file__).resolve().parent
@@ -56,9 +57,13 @@ def cluster():
     saved = {k: os.environ.get(k) for k in _ENV}
     os.environ.update(_ENV)
     temp = tempfile.mkdtemp(prefix="sgray")  # short: Ray's socket paths live under it
+    # Every Ray file of this cluster under it, the cluster's address file too (without
+    # RAY_TMPDIR Ray writes that to /tmp/ray, and fails where /tmp/ray does not exist).
+    saved["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 80 * 2**20, "include_dashboard": False,
-        "node_ip_address": "127.0.0.1", "temp_dir": temp,
+        "node_ip_address": "127.0.0.1",
         # A removed node is declared dead after ~1.5 s of missed health checks (default ~30 s).
         "_system_config": {"health_check_period_ms": 500, "health_check_timeout_ms": 500,
                            "health_check_failure_threshold": 3,
@@ -143,8 +148,9 @@ def _progress(out: Path, rank: int) -> int:
         return 0
 
 
-def test_mirrored_resumes_bitwise_from_a_ray_checkpoint_and_diloco_continues_it(cluster,
-                                                                                 tmp_path):
+def test_mirrored_resumes_bitwise_from_a_ray_checkpoint(cluster, tmp_path):
+    # (Restoring under another strategy is tested without Ray, in test_async_diloco.py:
+    # through Ray the restore path is the same, and each Ray fit costs 30-80 s here.)
     whole, out = _fit(tmp_path / "a", "whole", {"strategy": "mirrored", "steps": 8,
                                                 "ckpt_every": 4})
     assert whole.error is None
@@ -163,16 +169,6 @@ def test_mirrored_resumes_bitwise_from_a_ray_checkpoint_and_diloco_continues_it(
     _assert_equal(_final(out2, 0), _final(out, 0))
     first, again = _result(out, 0)["losses"], _result(out2, 0)["losses"]
     assert {k: again[k] for k in ("5", "6", "7", "8")} == {k: first[k] for k in ("5", "6", "7", "8")}
-    # Under another strategy: DiLoCo trains on from Mirrored's step 8 as one job of 2, and
-    # its outer steps leave the replicas equal.
-    more, out3 = _fit(tmp_path / "c", "diloco", {"strategy": "diloco", "steps": 14},
-                      resume=ckpts[8])
-    assert more.error is None
-    assert (out3 / "start.0").read_text().split() == ["8"]
-    for rank in (0, 1):
-        assert (_result(out3, rank)["steps"], _result(out3, rank)["world_size"]) == (14, 2)
-    _assert_equal(_final(out3, 0), _final(out3, 1))
-    assert min(_result(out3, 0)["losses"].values()) < min(first.values())
 
 
 def _remove_node_of(cluster, out: Path, rank: int) -> str:
@@ -190,7 +186,7 @@ def _refill(cluster) -> None:
         cluster.add_node(**_NODE)
 
 
-def _remove_when(cluster, out: Path, *, rank: int, step: int, seconds: float = 120):
+def _remove_when(cluster, out: Path, *, rank: int, step: int, seconds: float = 240):
     """Remove ``rank``'s node once rank 0 reached ``step`` (in a thread beside ``fit``)."""
     done: dict = {}
 
@@ -210,7 +206,6 @@ def _remove_when(cluster, out: Path, *, rank: int, step: int, seconds: float = 1
     return t, done
 
 
-@pytest.mark.timeout(300)
 def test_a_removed_node_restarts_the_job_from_its_last_ray_checkpoint(cluster, tmp_path):
     out = tmp_path / "a" / "out"
     out.mkdir(parents=True)
@@ -251,7 +246,6 @@ def test_fault_tolerant_config_keeps_ray_internals_it_relies_on():
         sg_ray.FaultTolerantConfig(min_replicas=0)
 
 
-@pytest.mark.timeout(300)
 def test_fault_tolerant_replica_on_a_removed_node_is_replaced_alone_and_healed(cluster, tmp_path):
     """FaultTolerantConfig: Ray restarts the lost worker alone, stratagem heals it live from
     the survivor, which is never restarted and trains on meanwhile."""
@@ -263,14 +257,14 @@ def test_fault_tolerant_replica_on_a_removed_node_is_replaced_alone_and_healed(c
         try:
             fit["result"], _ = _fit(
                 tmp_path / "a", "ft", {"strategy": "mirrored", "steps": 10**6,
-                                       "step_sleep": 0.1, "deadline": 240},
+                                       "step_sleep": 0.1, "deadline": 360},
                 torch_config=sg_ray.FaultTolerantConfig(min_replicas=1), max_failures=2)
         except BaseException as exc:  # noqa: BLE001 - reported below
             fit["error"] = exc
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    end = time.monotonic() + 200
+    end = time.monotonic() + 330  # 40 s alone, 126 s beside a busy process (3 pytest workers)
 
     def wait(what, ok):
         while not ok():
