@@ -9,7 +9,9 @@ Rows (``--strategies``): ``mirrored``; ``diloco`` (synchronous, period 32, outer
 ``diloco-async-int4`` (int4 with error feedback both ways: the model comes down as the
 rounds' int4 updates); ``diloco-async-int4-up`` (int4 up only, the model down in fp32: the
 ablation of the compressed download); ``diloco-async-nostale`` (the staleness correction
-off: the ablation).
+off: the ablation); ``diloco-async-sd0`` and ``diloco-async-int4-sd0`` (``sync_delay=0``:
+a replica waits for its round, which needs 3 of the 4, each time it sends, rather than
+training on from the model it sent from and grafting those steps onto the new one).
 
 Cases (``--cases``): ``equal`` (every replica as fast as the machine lets it); ``slow``
 (after each step replica 3 sleeps twice its compute per step: forward and backward as
@@ -75,12 +77,18 @@ STRATEGIES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "diloco-async-nostale": ("diloco", {**_ASYNC, "staleness": "none"}, True, False),
     "diloco-async-int4-up": ("diloco", {**_ASYNC, "compression": "int4",
                                         "compress_download": False}, True, False),
+    # sync_delay=0: a replica waits for its round (min_contributions of 4) when it sends,
+    # instead of training on the model it sent from and grafting those steps on.
+    "diloco-async-sd0": ("diloco", {**_ASYNC, "sync_delay": 0}, True, False),
+    "diloco-async-int4-sd0": ("diloco", {**_ASYNC, "compression": "int4", "sync_delay": 0},
+                              True, False),
 }
 QUICK_STRATEGIES = ["diloco-async", "diloco"]
 #: "kills" and "slow+kills" run the asynchronous rows only: a synchronous row survives a
 #: SIGKILL only with fault_tolerant=True (torchft's quorum; benchmarks/ft_kills.py).
 CASES = ("equal", "slow", "kills", "slow+kills")
 SLOW_FACTOR = 3.0  # the slow replica's step time over its compute time
+MIN_KILLS = 5  # the kills cases' runs must be long enough for this many SIGKILLs
 CALIBRATION_STEPS = 24  # the slow replica's compute is measured over these first steps
 
 
@@ -359,6 +367,10 @@ def _auto_notes(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         notes += [f"{r['strategy']} {r['case']} on {r['link']}: a run failed: {e}"
                   for e in r["errors"]]
+        few = [k for k in r["kills"] if k < MIN_KILLS] if "kills" in r["case"] else []
+        if few:
+            notes.append(f"{r['strategy']} {r['case']} {r['link']}: runs with fewer than "
+                         f"{MIN_KILLS} kills ({r['kills']}): raise --kill-steps")
         sync_equal = by.get(("diloco", "equal", r["link"]))
         if r["strategy"].startswith("diloco-async") and sync_equal:
             loss, ref = r["final_val_loss"], sync_equal["final_val_loss"]
@@ -392,9 +404,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop a run after this many seconds of training")
     p.add_argument("--kill-every", type=float, default=15.0,
                    help="cases with kills: SIGKILL a random replica every this many seconds")
-    p.add_argument("--kill-steps", type=int, default=1920,
-                   help="cases with kills: the sample budget in steps (long enough for >= 5 "
-                        "kills)")
+    # 1920 steps (85-110 s of training here) gave 4 kills in 2 runs of 12: 2400 leaves room.
+    p.add_argument("--kill-steps", type=int, default=2400,
+                   help="cases with kills: the sample budget in steps (long enough for >= "
+                        f"{MIN_KILLS} kills; a run with fewer is named in the notes)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--run-timeout", type=float, default=600.0)
     args = common.parse_matrix_args(p, argv, out=RESULTS / "decoupled",

@@ -182,6 +182,31 @@ def test_two_replicas_by_hand(shards, monkeypatch, staleness, global_after_b):
         b.close()
 
 
+def test_sync_delay_0_lands_each_round_before_the_next_inner_step(shards, monkeypatch):
+    # As above, but each replica waits for its round when it sends: no inner step is taken on
+    # the model its pseudo-gradient was computed from, so nothing is grafted on.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    make = lambda: sg.DiLoCo(mode="async", period=2, outer_lr=1.0, outer_momentum=0.0,  # noqa: E731
+                             min_contributions=1, sync_delay=0, ps_addresses=shards,
+                             comm=sg.Comm.single(), timeout=20)
+    a, b = make(), make()
+    model_a, step_a = _pair_replica(a, 1.0)
+    model_b, step_b = _pair_replica(b, 2.0)
+    try:
+        step_a()
+        step_a()  # A sends (-2, -2) x 2 steps and takes its round's model: (1, 2)
+        assert _values(model_a) == (1.0, 2.0)
+        step_b()
+        step_b()  # B's (-4, -4) of version 0 lands at version 1, halved: the model (2, 3)
+        assert _values(model_b) == (2.0, 3.0)
+        step_a()  # a plain inner step from the model A landed on
+        assert _values(model_a) == (2.0, 3.0)
+        assert a.metrics()["outer_landed"] == 1 and b.metrics()["outer_landed"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
 def test_unequal_steps_share_a_round_and_the_last_contribution_closes_it(monkeypatch):
     from stratagem.ps.server import start_local_shards
 
@@ -239,10 +264,12 @@ def _train(strategy, data, *, steps, seed=0, on_step=None, batch=48, hidden=16):
     return model, losses
 
 
-def test_fast_replicas_never_wait_for_a_stalled_one(shards):
+@pytest.mark.parametrize("sync_delay", [None, 0])
+def test_fast_replicas_never_wait_for_a_stalled_one(shards, sync_delay):
     # Three replicas (min_contributions = 3 - 1 = 2). Replica 2 stalls after 3 steps until
     # replicas 0 and 1 have finished all 40: had either waited for it, replica 2's wait would
-    # end at its 30 s limit instead (an ordering, not a wall-clock margin).
+    # end at its 30 s limit instead (an ordering, not a wall-clock margin). With sync_delay=0
+    # each waits for its round at every send, which the other fast one completes.
     data = make_data()
     fast_done = threading.Semaphore(0)
     held: list[bool] = []
@@ -252,7 +279,8 @@ def test_fast_replicas_never_wait_for_a_stalled_one(shards):
             held.append(fast_done.acquire(timeout=30) and fast_done.acquire(timeout=30))
 
     def job(comm):
-        s = sg.DiLoCo(mode="async", period=4, ps_addresses=shards, comm=comm, timeout=30)
+        s = sg.DiLoCo(mode="async", period=4, ps_addresses=shards, comm=comm, timeout=30,
+                      sync_delay=sync_delay)
         model, losses = _train(s, data, steps=40, on_step=pause if comm.rank == 2 else None)
         if comm.rank != 2:
             fast_done.release()
@@ -486,6 +514,8 @@ def test_checkpoints_restore_across_sync_and_async_diloco_and_mirrored(shards, t
     ({"mode": "async", "min_contributions": 0}, "min_contributions"),
     ({"mode": "async", "staleness": "square"}, "staleness must be"),
     ({"mode": "async", "grace_window": -1.0}, "grace_window"),
+    ({"mode": "async", "sync_delay": 4, "period": 4},
+     "sync_delay must be < period = 4 with mode='async'"),
     ({"min_contributions": 2}, "min_contributions only applies to mode='async'"),
 ])
 def test_invalid_arguments_name_the_value_and_fix(kwargs, text, monkeypatch):

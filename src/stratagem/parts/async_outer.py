@@ -22,7 +22,11 @@ asynchronous EASGD does, and the outer step happens there, in *rounds*
 - when the round a replica contributed to has closed, the replica moves onto the new global
   model, keeping the inner steps it took meanwhile: ``theta = theta_new + (theta -
   theta_sent)``. It waits only if that round is still open when its *next* pseudo-gradient is
-  due (counted in ``outer_waits``).
+  due (counted in ``outer_waits``), or, with ``land_within=k`` (DiLoCo's ``sync_delay``),
+  ``k`` inner steps after sending: 0 waits for the round at once, so no inner step is taken
+  on the model the pseudo-gradient was computed from (measured in
+  ``benchmarks/results/decoupled.md``: the steps taken meanwhile and grafted on cost
+  validation loss).
 
 So with ``min_contributions`` below the number of replicas, a replica slower than the
 ``min_contributions`` fastest is never waited for: its pseudo-gradients join whichever round
@@ -121,7 +125,9 @@ class AsyncOuterStep(Part):
     ``compression``, the global model comes back in the same kind: the shards keep their model
     equal to the encoded round updates applied in turn, with error feedback of their own, and
     a replica a round or a few behind fetches those updates, not the model;
-    :mod:`stratagem.ps.updates`).
+    :mod:`stratagem.ps.updates`), ``land_within`` (None: land when the round has closed, by
+    the next pseudo-gradient at the latest; an int k: at most k inner steps after sending,
+    waiting for the round if it is still open).
 
     On failure: a replica that dies loses only its pseudo-gradient in flight and the inner
     steps since the last one; a (re)started replica starts from the newest global model. A
@@ -144,7 +150,8 @@ class AsyncOuterStep(Part):
     def __init__(self, comm: Comm, *, period: int, outer_optimizer: OuterOptimizerFactory,
                  compression: str | None, min_contributions: int | None,
                  grace_window: float | None, staleness: str, ps_addresses: Sequence[str],
-                 timeout: float, compress_download: bool = True) -> None:
+                 timeout: float, compress_download: bool = True,
+                 land_within: int | None = None) -> None:
         super().__init__(comm)
         from ..ps.link import PSLink
 
@@ -157,6 +164,7 @@ class AsyncOuterStep(Part):
         self.grace_window = grace_window
         self.staleness = staleness
         self.timeout = float(timeout)
+        self.land_within = land_within
         self.ps = PSLink(list(ps_addresses), comm=comm, timeout=timeout)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         # Counters (metrics()).
@@ -251,10 +259,13 @@ class AsyncOuterStep(Part):
     def after_update(self, prepared: Prepared) -> None:
         st = self._state(prepared)
         st.since += 1
-        if st.flight is not None and st.flight.future.done():
-            self._land(st)
+        if st.flight is not None and (st.flight.future.done() or (
+                self.land_within is not None and st.since >= self.land_within)):
+            self._land(st, counted=True)  # waits (counted) only if the round is still open
         if prepared.local_steps % self.period == 0:
             self._send(st, force=False)
+            if self.land_within == 0:
+                self._land(st, counted=True)
         elif (self.grace_window is not None
               and time.monotonic() - st.sent_at >= self.grace_window):
             # A replica too slow to finish its period within a grace window sends what it

@@ -142,7 +142,8 @@ class DiLoCo(Strategy):
     ``Comm.all_reduce_topk``, the entries not sent kept in the same residuals;
     ``pseudo_grad_dtype`` is its old, deprecated name), ``sync_delay`` (Streaming DiLoCo's
     tau, an int in ``[0, period // fragments)``: a fragment's outer all-reduce runs in the
-    background for that many inner steps before it is applied; 0 = synchronous), ``alpha``
+    background for that many inner steps before it is applied; 0 or None = synchronous),
+    ``alpha``
     (in [0, 1): when an outer step lands, a fragment's parameters become ``alpha * local +
     (1 - alpha) * outer``; 0 = the outer parameters), plus the common strategy arguments.
     Douillard et al., "Streaming DiLoCo with overlapping communication" (2025) use
@@ -159,12 +160,15 @@ class DiLoCo(Strategy):
     inner steps it covers times ``1 / (1 + staleness)`` (``staleness="inverse"``; ``"none"``:
     no correction), staleness being the rounds closed since the model it was computed on. A
     replica moves onto the new global model when its round closes, keeping the steps taken
-    meanwhile; it waits only when that round is still open at its next pseudo-gradient.
+    meanwhile; it waits only when that round is still open at its next pseudo-gradient, or,
+    with ``sync_delay=k`` (an int in ``[0, period)``), ``k`` inner steps after sending: 0
+    waits for the round at once (no inner step on the old model; a round still needs only
+    ``min_contributions``, so nobody waits for the slower replicas).
     ``compression``: None, "bf16", "fp16", "int8", "int4" (with error feedback), both ways:
     with ``compress_download`` (default) the global model comes back as the rounds' updates
     in the same kind (the shards keep error feedback of their own, and their model is
     exactly what the replicas rebuild), a replica more than a few rounds behind fetches the
-    model; not ``fragments``, ``sync_delay``, ``alpha`` or "topk". Each replica starts alone (a
+    model; not ``fragments``, ``alpha`` or "topk". Each replica starts alone (a
     restarted one from the newest global model): failures are survived by restarting the
     dead replica (``max_restarts``), not by ``fault_tolerant=True``, which is refused.
     Checkpoints hold the global model and the outer optimizer's state under synchronous
@@ -182,7 +186,7 @@ class DiLoCo(Strategy):
     def __init__(self, *, period: int = 500, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  outer_optimizer: OuterOptimizerFactory | None = None, fragments: int = 1,
                  compression: str | None = None, pseudo_grad_dtype: str | None = None,
-                 sync_delay: int = 0, alpha: float = 0.0, mode: str = "sync",
+                 sync_delay: int | None = None, alpha: float = 0.0, mode: str = "sync",
                  min_contributions: int | None = None, grace_window: float | None = 30.0,
                  staleness: str = "inverse", ps_addresses: str | Sequence[str] | None = None,
                  compress_download: bool = True, **common: Any) -> None:
@@ -192,7 +196,7 @@ class DiLoCo(Strategy):
         self.mode = mode
         self.ps_addresses: list[str] = []
         if mode == "async":
-            _check_async_arguments(fragments, compression, sync_delay, alpha, common)
+            _check_async_arguments(fragments, compression, alpha, common)
             if min_contributions is not None:
                 check_int("min_contributions", min_contributions, minimum=1,
                           fix="pass the pseudo-gradients a round needs, e.g. replicas - 1")
@@ -248,9 +252,22 @@ class DiLoCo(Strategy):
                           DeprecationWarning, stacklevel=2)
             compression = pseudo_grad_dtype
         check_compression(compression, kinds=OUTER_KINDS)
-        self.sync_delay = check_int(
-            "sync_delay", sync_delay, minimum=0,
-            fix="pass 0 for synchronous outer steps, or a few inner steps to overlap")
+        #: async: None = land when the round closes, by the next pseudo-gradient at the latest
+        self.async_sync_delay: int | None = None
+        if sync_delay is not None:
+            check_int("sync_delay", sync_delay, minimum=0,
+                      fix="pass 0 for synchronous outer steps, or a few inner steps to overlap")
+        if mode == "async":
+            if sync_delay is not None and sync_delay >= period:
+                raise ValueError(f"sync_delay must be < period = {period} with mode='async' "
+                                 f"(a pseudo-gradient lands before the next one is due), got "
+                                 f"sync_delay={sync_delay}. Fix: lower sync_delay, or pass "
+                                 "None (land whenever the round closes)")
+            self.async_sync_delay = sync_delay
+            sync_delay = 0
+        elif sync_delay is None:
+            sync_delay = 0
+        self.sync_delay = sync_delay
         if sync_delay >= period // fragments:
             raise ValueError(f"sync_delay must be < period // fragments = {period // fragments} "
                              f"so that a fragment's outer all-reduce is applied before the next "
@@ -282,17 +299,17 @@ class DiLoCo(Strategy):
                 period=self.period, outer_optimizer=factory, compression=self.compression,
                 min_contributions=self.min_contributions, grace_window=self.grace_window,
                 staleness=self.staleness, ps_addresses=self.ps_addresses,
-                timeout=self.timeout, compress_download=self.compress_download))
+                timeout=self.timeout, compress_download=self.compress_download,
+                land_within=self.async_sync_delay))
         return Plan(OuterStep.spec(period=self.period, outer_optimizer=factory,
                                    fragments=self.fragments, compression=self.compression,
                                    sync_delay=self.sync_delay, alpha=self.alpha))
 
 
-def _check_async_arguments(fragments: int, compression: str | None, sync_delay: int,
-                           alpha: float, common: dict[str, Any]) -> None:
+def _check_async_arguments(fragments: int, compression: str | None, alpha: float,
+                           common: dict[str, Any]) -> None:
     """Refuse what asynchronous DiLoCo does not do, naming the fix."""
-    for key, value, default in (("fragments", fragments, 1), ("sync_delay", sync_delay, 0),
-                                ("alpha", alpha, 0.0)):
+    for key, value, default in (("fragments", fragments, 1), ("alpha", alpha, 0.0)):
         if value != default:
             raise ValueError(f"DiLoCo(mode='async') sends whole-model pseudo-gradients, "
                              f"got {key}={value!r}. Fix: drop {key} (streaming DiLoCo is "

@@ -28,6 +28,7 @@ replacement had built its model, and it found nobody to heal from.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import traceback
@@ -202,7 +203,7 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 if group_size > 1 else None, quorum_every=quorum_every,
                 quorum_timeout=quorum_timeout)
             if life > 0 and faults is not None:
-                faults.announce(comm, lambda since, slot=slot: service.asked_since(slot, since))
+                faults.announce(comm, functools.partial(service.asked_since, slot))
             results[slot * group_size + rank] = fn(comm, *args)
         except ReplicasStopped:
             pass
