@@ -330,3 +330,50 @@ def test_keep_global_batch_needs_fault_tolerance_and_a_gradient_mean():
         sg.Mirrored(keep_global_batch=True, fault_tolerant=False)
     with pytest.raises(ValueError, match="keep_global_batch=True needs a step that averages"):
         sg.LocalSGD(keep_global_batch=True, fault_tolerant=True)
+
+
+def test_on_cuda_every_quorum_rebuilds_the_nccl_backend_and_a_kill_is_healed(monkeypatch):
+    """Where the device is CUDA, each replica's group gets an NCCL backend for CUDA tensors,
+    built for every quorum and dropped when it fails or changes. This machine has no CUDA:
+    gloo plays NCCL (``upstream.nccl_backend``), and the training tensors are on the CPU,
+    so what is tested is the choreography around the backend (one per quorum per replica,
+    the right world sizes, the current one registered for CUDA, gloo kept for CPU) through
+    a SIGKILL and a heal; ``tests/gpu`` runs NCCL itself."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from stratagem.ft import upstream
+
+    built = []
+    lock = threading.Lock()
+
+    def stand_in(store, rank, world_size, device, timeout):
+        with lock:
+            built.append((world_size, str(device)))
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    monkeypatch.setattr(upstream, "nccl_backend", stand_in)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU per replica
+    seen = {}
+
+    def train(comm, *args):
+        out = _train(comm, *args)
+        pg = comm._pg
+        seen[comm.slot] = (pg.nccl_built, pg.device_backend("cuda") is pg.nccl is not None,
+                           pg.device_backend("cpu") is not pg.nccl)
+        return out
+
+    faults = ReplicaFaults().fail_at(1, 6)
+    results = run_replicas(train, 3, args=(STRATEGIES["mirrored"], 16, faults), faults=faults,
+                           min_replicas=3, device=torch.device("cuda"), timeout=timedelta(
+                               seconds=10).total_seconds())
+    assert faults.deaths == [(1, 6)]
+    _assert_equal(results)
+    assert results[1][2] >= 1  # the replacement healed
+    # Survivors: the first quorum's backend, then a new one once the kill changed the quorum.
+    assert seen[0][0] >= 2 and seen[2][0] >= 2, seen
+    assert seen[1][0] >= 1, seen
+    assert all(current and cpu_on_gloo for _, current, cpu_on_gloo in seen.values()), seen
+    assert {w for w, _ in built} <= {2, 3} and {d for _, d in built} == {"cuda"}, built

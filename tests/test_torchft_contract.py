@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import json
 import re
+import threading
 import types
 import warnings
 from datetime import timedelta
@@ -111,7 +112,7 @@ def test_the_table_is_well_formed() -> None:
     symbols = [r.symbol for r in RELIANCES]
     assert len(set(symbols)) == len(symbols), "each reliance names its own symbol"
     features = {upstream.MANAGER_SERVER, upstream.ELISION, upstream.QUORUM_ID,
-                upstream.GLOO_STORE, upstream.MEMBERSHIP}
+                upstream.GLOO_STORE, upstream.MEMBERSHIP, upstream.NCCL_GROUP}
     for r in RELIANCES:
         assert r.symbol.startswith("torchft.") and ": " not in r.symbol
         assert r.kind in ("attribute", "names", "keywords", "constants")
@@ -120,7 +121,8 @@ def test_the_table_is_well_formed() -> None:
     # What upstream.py writes and reads on torchft's objects is all in the table.
     names = {n for r in RELIANCES for n in r.expects}
     for private in ("_step", "_batches_committed", "_commit_failures",
-                    "_checkpoint_transport", "_quorum_id", "_rendezvous_store", "ManagerServer"):
+                    "_checkpoint_transport", "_quorum_id", "_rendezvous_store", "ManagerServer",
+                    "_create_pg"):
         assert private in names
 
 
@@ -308,6 +310,93 @@ def test_gloo_group_refuses_a_handle_that_is_not_its_store(
             pg.get_reconfigure_handle()
     finally:
         pg.shutdown()
+
+
+def _stand_in_nccl(built: list[tuple[int, int, str]]) -> Any:
+    """What ``upstream.nccl_backend`` returns on CUDA, played by gloo on this CPU machine:
+    records (rank, world size, device) of each backend built."""
+    import torch.distributed as dist
+
+    lock = threading.Lock()
+
+    def build(store: Any, rank: int, world_size: int, device: Any, timeout: timedelta) -> Any:
+        with lock:
+            built.append((rank, world_size, str(device)))
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    return build
+
+
+def test_on_cuda_each_quorum_gives_the_group_an_nccl_backend_beside_gloo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two members reconfigured twice (two quorums): each quorum builds one NCCL backend per
+    member (here gloo stands in), registered for CUDA tensors; CPU tensors stay on gloo; an
+    abort drops it, and the next quorum builds a new one."""
+    import torch
+    from torch.distributed import TCPStore
+    from torchft.process_group import reconfigure_with_store
+
+    built: list[tuple[int, int, str]] = []
+    monkeypatch.setattr(upstream, "nccl_backend", _stand_in_nccl(built))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=30))
+    groups = [upstream.bound_gloo_group(timedelta(seconds=10), "127.0.0.1",
+                                        device=torch.device("cuda")) for _ in range(2)]
+    seen: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            pg = groups[rank]
+            for quorum in (1, 2):
+                reconfigure_with_store(pg, f"127.0.0.1:{store.port}/q/{quorum}", rank, 2,
+                                       timedelta(seconds=30))
+                cuda, cpu = pg.device_backend("cuda"), pg.device_backend("cpu")
+                t = torch.full((3,), float(rank + 1))
+                pg.allreduce([t], dist_opts()).wait()
+                seen[rank] = (cuda is pg.nccl, cpu is not pg.nccl, t.tolist(), pg.nccl_built)
+                if quorum == 1:
+                    pg.abort(errored=False)
+                    assert pg.nccl is None and pg.device_backend("cuda") is None
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert not errors, errors
+        assert seen == [(True, True, [3.0, 3.0, 3.0], 2)] * 2
+        assert sorted(built) == [(0, 2, "cuda"), (0, 2, "cuda"), (1, 2, "cuda"), (1, 2, "cuda")]
+    finally:
+        for pg in groups:
+            pg.abort(errored=False)
+            pg.shutdown()
+
+
+def dist_opts() -> Any:
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return opts
+
+
+def test_on_cpu_or_without_the_reliance_the_group_builds_no_nccl_backend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    assert upstream._nccl_usable(torch.device("cpu")) is None
+    assert upstream._nccl_usable(None) is None
+    assert upstream._nccl_usable(torch.device("cuda")) == torch.device("cuda")
+    (reliance,) = [r for r in RELIANCES if r.feature == upstream.NCCL_GROUP]
+    _break(monkeypatch, reliance)
+    with pytest.warns(TorchftContractWarning,
+                      match=r"gloo through host memory.*"
+                            r"torchft\.process_group\.ProcessGroupWrapper\._create_pg"):
+        assert upstream._nccl_usable(torch.device("cuda")) is None
 
 
 # ---------------------------------------------------------------------- (c) the boundary

@@ -10,6 +10,10 @@
 - ``Sharded`` (FSDP2) on CUDA over NCCL: one process on one GPU, and two on two GPUs when
   there are two; equal to ``Mirrored``.
 - Checkpoints of CUDA tensors restored on the CPU (model and optimizer state) and back.
+- Fault tolerance on CUDA: the replicas' reconfigurable group builds an NCCL backend for CUDA
+  tensors per quorum (a world of one, aborted and rebuilt), a replica trains over it, and a
+  killed replica's CUDA state is healed through the heal transport (two replicas on one GPU:
+  over gloo, since NCCL refuses two ranks on one device). Not run on a GPU yet.
 
 Everything here is skipped without CUDA (``conftest.py``). Written against the code paths
 (``Strategy(device=)``, ``prepare``'s ``module.to(device)``, ``DistributedLoader``'s
@@ -352,3 +356,102 @@ def test_checkpoint_of_cuda_tensors_restores_on_cpu_and_back(tmp_path: Path):
         o.zero_grad()
     _assert_states(_cpu_state(back.unwrap(m_back)), _cpu_state(cpu.unwrap(m_cpu)),
                    atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------- fault tolerance on CUDA
+def _allreduce_sum(pg: Any, t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    pg.allreduce([t], opts).wait()
+    return t
+
+
+def test_fault_tolerant_group_on_cuda_runs_nccl_and_is_aborted_and_rebuilt():
+    """The replicas' reconfigurable group on CUDA: each quorum (here two, of one member:
+    NCCL refuses two ranks on one GPU) builds an NCCL backend for CUDA tensors beside gloo
+    for CPU ones; an abort drops it and the next quorum builds a new one that works."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+    from torchft.process_group import reconfigure_with_store
+
+    from stratagem.ft import upstream
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=60))
+    pg = upstream.bound_gloo_group(timedelta(seconds=60), "127.0.0.1",
+                                   device=torch.device(CUDA))
+    backends = []
+    try:
+        for quorum in (1, 2):
+            reconfigure_with_store(pg, f"127.0.0.1:{store.port}/q/{quorum}", 0, 1,
+                                   timedelta(seconds=60))
+            assert isinstance(pg.nccl, dist.ProcessGroupNCCL)
+            assert pg.device_backend("cuda") is pg.nccl
+            assert pg.device_backend("cpu") is not pg.nccl
+            t = _allreduce_sum(pg, torch.full((1 << 20,), 2.0, device=CUDA))
+            torch.cuda.synchronize()
+            assert torch.equal(t.cpu(), torch.full((1 << 20,), 2.0))
+            assert _allreduce_sum(pg, torch.ones(3)).tolist() == [1.0, 1.0, 1.0]  # gloo
+            backends.append(pg.nccl)
+            pg.abort(errored=False)
+            assert pg.nccl is None and pg.device_backend("cuda") is None
+        assert backends[0] is not backends[1] and pg.nccl_built == 2
+    finally:
+        pg.shutdown()
+
+
+def _ft_train(comm: Any, steps: int, faults: Any) -> tuple[Any, ...]:
+    strategy = sg.Mirrored(comm=comm, device=CUDA)
+    model = _model(seed=comm.slot)  # different inits: the first quorum makes them equal
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = strategy.prepare(model, opt)
+    loader = strategy.distribute_dataset(_data(), 32, shuffle=True, seed=0)
+    epoch = 0
+    while strategy.steps < steps:
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            strategy.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            if faults is not None:
+                faults.check(comm, strategy.steps)
+            if strategy.steps >= steps:
+                break
+        epoch += 1
+    strategy.finalize(model)
+    pg = comm._pg
+    return (_cpu_state(model), strategy.steps, comm.heals, next(model.parameters()).device.type,
+            pg.nccl_built, type(pg.nccl).__name__)
+
+
+def test_a_fault_tolerant_replica_on_cuda_runs_over_nccl():
+    pytest.importorskip("torchft")
+    from stratagem.testing.ft import run_replicas
+
+    ((state, steps, heals, device, built, backend),) = run_replicas(
+        _ft_train, 1, args=(6, None), device=torch.device(CUDA), timeout=60, deadline=300)
+    assert steps == 6 and device == "cuda" and built >= 1 and backend == "ProcessGroupNCCL"
+
+
+@pytest.mark.filterwarnings("ignore:.*NCCL refuses two ranks on one GPU")
+def test_a_killed_replica_on_cuda_is_healed_bitwise_through_the_heal_transport(monkeypatch):
+    """Two replicas on one GPU (NCCL refuses two ranks on one device, so their group stays
+    on gloo, as LOCAL_WORLD_SIZE=2 says); one is killed and its replacement heals from the
+    other: model and optimizer state on CUDA, moved through stratagem's authenticated heal
+    transport (safetensors, no pickle), loaded back onto the GPU."""
+    pytest.importorskip("torchft")
+    from stratagem.testing.ft import ReplicaFaults, run_replicas
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    faults = ReplicaFaults().fail_at(1, 4)
+    results = run_replicas(_ft_train, 2, args=(10, faults), faults=faults, min_replicas=2,
+                           device=torch.device(CUDA), timeout=60, deadline=300)
+    assert faults.deaths == [(1, 4)]
+    assert all(r[1] == 10 and r[3] == "cuda" for r in results)
+    assert results[1][2] >= 1  # the replacement healed from its peer
+    _assert_states(results[0][0], results[1][0], atol=0, rtol=0)

@@ -1,7 +1,9 @@
 """``FaultTolerantComm``: a :class:`~stratagem.comm.Comm` whose world survives lost replicas.
 
 The engine is torchft (``pip install stratagem[ft]``): a Lighthouse quorum server, one
-``torchft.Manager`` per replica and a reconfigurable gloo process group. What this module adds
+``torchft.Manager`` per replica and a reconfigurable process group: gloo for CPU tensors and,
+where the device is CUDA, NCCL for CUDA tensors (rebuilt with every quorum, aborted when one
+fails or the quorum changes). What this module adds
 is the shape stratagem's strategies already have: every collective a part runs goes through
 the Comm it was given, so a strategy made of parts becomes fault tolerant by being given this
 Comm instead of the plain one, with no branch in its own file.
@@ -93,7 +95,7 @@ import torch
 import torch.distributed as dist
 
 from .._rendezvous import bound_tcp_store
-from ..comm import Comm
+from ..comm import Comm, _nccl_device
 from ..errors import PeerTimeoutError, StratagemError
 from ..validation import check_timeout
 from . import upstream
@@ -269,7 +271,9 @@ class FaultTolerantComm(Comm):
         #: Proves this replica's membership to the quorum service and checks every quorum
         #: it is given (stratagem.ft.membership).
         self._key = MemberKey(token)
-        self._pg = upstream.bound_gloo_group(timedelta(seconds=timeout), host, key=self._key)
+        # On CUDA, CUDA tensors go over NCCL, rebuilt with every quorum (CPU ones over gloo).
+        self._pg = upstream.bound_gloo_group(timedelta(seconds=timeout), host, key=self._key,
+                                             device=_nccl_device(device))
         if transport is None:
             from .transport import SafeHealTransport, heal_bound
 

@@ -17,6 +17,9 @@ through the small functions here. What this module does that torchft does not of
   the group's private ``_rendezvous_store`` before torchft's ``get_reconfigure_handle``
   would create one on every interface (:func:`bound_gloo_group`), and signs each handle
   with the member's claim (:mod:`stratagem.ft.membership`);
+- on CUDA it gives that group an NCCL backend for CUDA tensors beside gloo for CPU ones,
+  built for each quorum in the group's private ``_create_pg`` and aborted when the quorum
+  changes (:func:`bound_gloo_group` with ``device=``);
 - it checks every quorum a manager is given before the manager touches an address in it,
   by wrapping the manager's private ``_client`` (:func:`verify_quorums`), and reads the
   manager server's address and replica id from the keys torchft publishes them under
@@ -27,9 +30,9 @@ public torchft hook that would make the workaround unnecessary (also in
 ``docs/design/torchft-boundary.md``). :func:`check_contract` checks them all against the
 installed torchft. At run time a broken reliance never goes unnoticed: the manager server
 and the gloo store (which would otherwise listen on every interface) raise
-:class:`TorchftContractError`; quorum elision and the quorum-id cache fall back (every step
-asks for a quorum; the live slots are gathered at every call) with a
-:class:`TorchftContractWarning` naming the symbol.
+:class:`TorchftContractError`; quorum elision, the quorum-id cache and the NCCL backend fall
+back (every step asks for a quorum; the live slots are gathered at every call; CUDA tensors go
+over gloo through host memory) with a :class:`TorchftContractWarning` naming the symbol.
 
 torchft is an optional dependency: importing this module does not import it.
 """
@@ -63,6 +66,7 @@ ELISION = "quorum-elision"  #: a transaction committed without torchft's quorum 
 QUORUM_ID = "quorum-id"  #: the live slots cached until the quorum changes
 GLOO_STORE = "gloo-store"  #: the gloo group's rendezvous store bound to one host
 MEMBERSHIP = "verified-membership"  #: every quorum checked before its addresses are used
+NCCL_GROUP = "nccl-group"  #: the group's CUDA collectives over NCCL, rebuilt with the quorum
 
 
 class TorchftContractError(StratagemError):
@@ -194,6 +198,15 @@ RELIANCES: tuple[Reliance, ...] = (
             "(members only, keys under a secret-derived prefix), put in place of the "
             "TCPStore client that ProcessGroupWrapper.reconfigure looks this name up for",
         hook="a `store_factory` argument to the reconfigurable process groups"),
+    Reliance(
+        symbol="torchft.process_group.ProcessGroupWrapper._create_pg", kind="names",
+        module="torchft.process_group", obj="ProcessGroupWrapper.reconfigure",
+        expects=("_create_pg",), feature=NCCL_GROUP,
+        why="on CUDA, stratagem's group builds its backends for each quorum in _create_pg, "
+            "as torchft's own groups do: gloo for CPU tensors and NCCL for CUDA tensors in "
+            "one process group, aborted when the quorum changes",
+        hook="a reconfigurable torchft process group with one backend per device (gloo for "
+             "cpu, NCCL for cuda)"),
     Reliance(
         symbol="torchft.manager.Manager._client", kind="names", module="torchft.manager",
         obj="Manager._async_quorum", expects=("_client", "_quorum"), feature=MEMBERSHIP,
@@ -455,13 +468,58 @@ def quorum_id(manager: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------- gloo group
-def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = None) -> Any:
+def nccl_backend(store: Any, rank: int, world_size: int, device: Any,
+                 timeout: timedelta) -> Any:  # pragma: no cover - needs CUDA
+    """A plain ``torch.distributed`` NCCL backend of ``world_size`` ranks over ``store`` (a
+    prefix of the quorum's rendezvous store), connected eagerly on ``device`` so that a
+    member that cannot reach the others fails in the reconfiguration, inside its bound,
+    not in the step's first collective.
+
+    A lost peer must fail a step, not the process: unless the user chose otherwise, NCCL's
+    watchdog is told to abort the communicator and fail its work on an error
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``; torch's default, 3, ends the process), and its
+    own timeout is twice ``timeout``, so a stalled collective is first reported by
+    ``FaultTolerantComm``'s wait (the step does not commit; the group is aborted and
+    rebuilt at the next quorum)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout * 2
+    backend = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    backend._set_sequence_number_for_group()
+    backend.eager_connect_single_device(torch.device(device))
+    return backend
+
+
+def _nccl_usable(device: Any) -> Any:
+    """``device`` when the group can give CUDA tensors an NCCL backend (a CUDA device; the
+    installed torchft builds its groups in ``_create_pg``), else None (with a
+    :class:`TorchftContractWarning` naming the symbol when torchft is the reason)."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    problems = problems_for(NCCL_GROUP)
+    if problems:
+        _warn_once(NCCL_GROUP, problems, "CUDA tensors of the fault-tolerant group go over "
+                   "gloo through host memory")
+        return None
+    return device
+
+
+def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = None,
+                     device: Any = None) -> Any:
     """torchft's reconfigurable gloo group (``ProcessGroupGloo``) whose rendezvous store is
     :func:`~stratagem._rendezvous.bound_tcp_store` on ``host``, advertised as ``host``
     (see :func:`stratagem.ft.comm.loopback_gloo_group`). With ``key`` (a
     :class:`~stratagem.ft.membership.MemberKey`), each reconfigure handle carries the claim
     the group's ``claim`` callable returns (set it with ``group.claim = fn`` once the
-    manager exists) and its proof. Raises :class:`TorchftContractError` naming the symbol
+    manager exists) and its proof. With a CUDA ``device``, each quorum's group also gets an
+    NCCL backend for CUDA tensors (:func:`nccl_backend`, on the quorum's rendezvous store
+    under the prefix ``nccl``), aborted with the group when the quorum changes or a step
+    fails; CPU tensors stay on gloo. Raises :class:`TorchftContractError` naming the symbol
     when the installed torchft lacks what this relies on (its store would listen on every
     interface)."""
     _require(GLOO_STORE,
@@ -469,8 +527,14 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
              "torchft (it would listen on every interface).")
     from torchft import ProcessGroupGloo
 
+    nccl_device = _nccl_usable(device)
+
     class _BoundGloo(ProcessGroupGloo):  # type: ignore[misc]
         claim: Any = None
+        #: The NCCL backend of the current quorum (None: none, or not on CUDA).
+        nccl: Any = None
+        #: NCCL backends built so far (one per quorum that reconfigured this group).
+        nccl_built = 0
 
         def close_member_store(self) -> None:
             """Stop the members-only rendezvous store this group hosts (if it does)."""
@@ -505,6 +569,37 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
                 return super().reconfigure(opts)
             with _member_store_clients(key):
                 return super().reconfigure(opts)
+
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            pg = super()._create_pg(store, rank, world_size)
+            if nccl_device is None:
+                return pg
+            import torch
+            import torch.distributed as dist
+
+            # torchft's gloo group registers gloo for CUDA tensors too when CUDA is there;
+            # this one goes over NCCL instead (its own keys: a prefix of the same store).
+            self.nccl = nccl_backend(dist.PrefixStore("nccl", store), rank, world_size,
+                                     nccl_device, self._timeout)
+            self.nccl_built += 1
+            pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
+                                 self.nccl)
+            return pg
+
+        def device_backend(self, device: str) -> Any:
+            """The backend the current quorum's group runs ``device`` tensors on ("cpu",
+            "cuda"); None before the first quorum or after an abort."""
+            import torch
+
+            pg = getattr(self, "_pg", None)
+            return None if pg is None else pg._get_backend(torch.device(device))
+
+        def abort(self, errored: bool = True) -> None:
+            # torchft's abort calls the process group's, which aborts every backend it holds
+            # (ncclCommAbort ends a collective stuck on a lost peer), then drops the group
+            # (gloo's sockets close with its last reference).
+            self.nccl = None
+            super().abort(errored=errored)
 
     if key is None:
         return _BoundGloo(timeout=timeout)

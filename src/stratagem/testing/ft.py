@@ -158,7 +158,8 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                  absent: Sequence[int] = (), group_size: int = 1,
                  quorum_every: int | None = None,
                  quorum_timeout: float | None = None,
-                 on_service: Callable[[QuorumService], None] | None = None) -> list[Any]:
+                 on_service: Callable[[QuorumService], None] | None = None,
+                 device: Any = None) -> list[Any]:
     """Run ``fn(comm, *args)`` for ``n`` fault-tolerant replicas as threads (see the module
     docstring); a replica killed by ``faults`` is replaced by a new one in its slot (its
     result is the replacement's). The slots in ``absent`` are never started (as if they
@@ -171,7 +172,7 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
     ``quorum_every``: :class:`~stratagem.ft.comm.FaultTolerantComm`'s (1: a quorum at every
     step; None: its default); ``quorum_timeout`` likewise (None: ``max(timeout, 30)``).
     ``on_service(service)`` is called once the quorum service listens, before any replica
-    starts."""
+    starts. ``device``: each replica's :class:`~stratagem.ft.comm.FaultTolerantComm`'s."""
     service = QuorumService(num_slots=n, min_replicas=min_replicas)
     if on_service is not None:
         try:
@@ -201,7 +202,7 @@ def run_replicas(fn: Callable[..., Any], n: int, *, args: tuple[Any, ...] = (),
                 joining=life > 0, group_rank=rank, group_size=group_size,
                 group_store=PrefixStore(f"ftgroup/{slot}/{life}", store)
                 if group_size > 1 else None, quorum_every=quorum_every,
-                quorum_timeout=quorum_timeout)
+                quorum_timeout=quorum_timeout, device=device)
             if life > 0 and faults is not None:
                 faults.announce(comm, functools.partial(service.asked_since, slot))
             results[slot * group_size + rank] = fn(comm, *args)
