@@ -99,6 +99,7 @@ def test_requeued_job_resumes_bitwise(slurm: SlurmCluster, four_tasks: Path,
     slurm.run(["scancel", "--signal=USR1", job])
     # Requeued: Slurm holds a requeued job 120 s before it is eligible again; let it go now.
     _wait(lambda: slurm.job_state(job) == "PENDING", "the requeue", 60, slurm)
+    requeued_at = time.time()
     # Only once the first run's processes are gone (Slurm refuses to launch a job whose
     # previous run it is still killing).
     first_pids = [json.loads((out / f"start.{r}.0").read_text())["pid"] for r in range(4)]
@@ -106,6 +107,15 @@ def test_requeued_job_resumes_bitwise(slurm: SlurmCluster, four_tasks: Path,
           "the first run's end", 60, slurm)
     _wait(lambda: not slurm.run(["squeue", "-h", "-s", "-j", job], check=False).stdout.strip(),
           "the first run's steps to end", 60, slurm)
+    # The requeue revoked the first run's job credential on the node (slurmd keeps the revoke
+    # time, in whole seconds), and a credential issued in that same second is refused too:
+    # the run started within it died with "Job credential revoked" (seen once on a quiet
+    # machine). Slurm's own hold (120 s) is there for this; a start 2 s after the requeue
+    # was seen (PENDING) is enough, once the node has finished with the first run.
+    _wait(lambda: "COMPLETING" not in slurm.run(["sinfo", "-h", "-N", "-o", "%T"],
+                                                 check=False).stdout.upper(),
+          "the node's cleanup of the first run", 60, slurm)
+    time.sleep(max(0.0, requeued_at + 2.0 - time.time()))
     slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     state = slurm.wait_job(job, timeout=180)
     logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("job-*.log"))
