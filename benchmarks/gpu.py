@@ -115,18 +115,13 @@ def one_device_row(cfg: dict[str, Any], precision: str) -> dict[str, Any]:
     return row
 
 
-def _mirrored_worker(cfg: dict[str, Any]) -> dict[str, Any]:
+def _race(cfg: dict[str, Any], strategy: Any, model: nn.Module, opt: Any, plain: nn.Module,
+          plain_opt: Any) -> dict[str, Any]:
+    """A launched process's step times: ``strategy``'s prepared model against ``plain`` (the
+    same model wrapped by hand), alternating rounds on one batch."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import stratagem as sg
-
-    strategy = sg.Mirrored()  # NCCL: one GPU per process
     device = strategy.device
-    model = _model(cfg["width"])
-    model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    ddp = DDP(_model(cfg["width"]).to(device), device_ids=[device.index])
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x = torch.randn(cfg["batch"], 1024, device=device)
     y = torch.randint(0, 10, (cfg["batch"],), device=device)
 
@@ -136,9 +131,9 @@ def _mirrored_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
 
     def theirs() -> None:
-        F.cross_entropy(ddp(x), y).backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad()
+        F.cross_entropy(plain(x), y).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
 
     def sync() -> None:
         dist.barrier()
@@ -147,6 +142,19 @@ def _mirrored_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     a, b = _timed(cfg, ours, theirs, sync)
     strategy.close()
     return {"ours": a, "theirs": b}
+
+
+def _mirrored_worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import stratagem as sg
+
+    strategy = sg.Mirrored()  # NCCL: one GPU per process
+    device = strategy.device
+    model, opt = strategy.prepare(model := _model(cfg["width"]),
+                                  torch.optim.SGD(model.parameters(), lr=0.01))
+    ddp = DDP(_model(cfg["width"]).to(device), device_ids=[device.index])
+    return _race(cfg, strategy, model, opt, ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
 
 
 def _sharded_worker(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -157,36 +165,17 @@ def _sharded_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import stratagem as sg
 
     strategy = sg.Sharded(shard_modules=[nn.Linear])  # the same units as by hand below
-    device = strategy.device
-    model = _model(cfg["width"])
-    model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    raw = _model(cfg["width"]).to(device)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+    model, opt = strategy.prepare(model := _model(cfg["width"]),
+                                  torch.optim.SGD(model.parameters(), lr=0.01))
+    raw = _model(cfg["width"]).to(strategy.device)
+    world = dist.group.WORLD  # the default group Sharded's first call created
+    assert world is not None
+    mesh = DeviceMesh.from_group(world, "cuda")
     for layer in raw.modules():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(raw, mesh=mesh)
-    raw_opt = torch.optim.SGD(raw.parameters(), lr=0.01)
-    x = torch.randn(cfg["batch"], 1024, device=device)
-    y = torch.randint(0, 10, (cfg["batch"],), device=device)
-
-    def ours() -> None:
-        strategy.backward(F.cross_entropy(model(x), y))
-        opt.step()
-        opt.zero_grad()
-
-    def theirs() -> None:
-        F.cross_entropy(raw(x), y).backward()
-        raw_opt.step()
-        raw_opt.zero_grad()
-
-    def sync() -> None:
-        dist.barrier()
-        torch.cuda.synchronize()
-
-    a, b = _timed(cfg, ours, theirs, sync)
-    strategy.close()
-    return {"ours": a, "theirs": b}
+    return _race(cfg, strategy, model, opt, raw, torch.optim.SGD(raw.parameters(), lr=0.01))
 
 
 def _launched_row(case: str, worker: Any, cfg: dict[str, Any], nprocs: int) -> dict[str, Any]:
