@@ -145,7 +145,7 @@ class Heartbeat:
             self._thread.join(timeout=5.0)
 
 
-def _nccl_device(device: torch.device | None) -> torch.device | None:
+def nccl_device(device: torch.device | None) -> torch.device | None:
     """``device`` where NCCL can serve it, else None (collectives over gloo alone).
 
     NCCL gives every process of a group its own GPU and refuses two ranks on one ("Duplicate
@@ -218,7 +218,7 @@ def new_group(store: dist.Store, rank: int, world_size: int, timeout: float,
     gloo._set_sequence_number_for_group()
     pg._register_backend(torch.device("cpu"), gloo_type, gloo)
     default = gloo_type
-    device = _nccl_device(device)
+    device = nccl_device(device)
     if device is not None and device.type == "cuda":  # pragma: no cover - no CUDA here
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout)
@@ -511,7 +511,7 @@ class Comm:
         until all have reached this point, then the group is created with the step
         ``timeout``: its rendezvous finds everyone started, and its collectives keep the
         short bound. A rank that never comes raises ``PeerTimeoutError`` naming it."""
-        device = _nccl_device(device)
+        device = nccl_device(device)
         backend = "cpu:gloo,cuda:nccl" if (device is not None and device.type == "cuda") else "gloo"
         global _OWNS_DEFAULT_GROUP, _DEFAULT_GROUPS_CREATED
         generation = _DEFAULT_GROUPS_CREATED

@@ -95,7 +95,7 @@ import torch
 import torch.distributed as dist
 
 from .._rendezvous import bound_tcp_store
-from ..comm import Comm, _nccl_device
+from ..comm import Comm, nccl_device
 from ..errors import PeerTimeoutError, StratagemError
 from ..validation import check_timeout
 from . import upstream
@@ -273,7 +273,7 @@ class FaultTolerantComm(Comm):
         self._key = MemberKey(token)
         # On CUDA, CUDA tensors go over NCCL, rebuilt with every quorum (CPU ones over gloo).
         self._pg = upstream.bound_gloo_group(timedelta(seconds=timeout), host, key=self._key,
-                                             device=_nccl_device(device))
+                                             device=nccl_device(device))
         if transport is None:
             from .transport import SafeHealTransport, heal_bound
 
