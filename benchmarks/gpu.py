@@ -22,6 +22,7 @@ without it, says so and exits 2, or with ``--smoke`` prints ``skipped: no CUDA``
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import statistics
 import sys
@@ -144,13 +145,27 @@ def _race(cfg: dict[str, Any], strategy: Any, model: nn.Module, opt: Any, plain:
     return {"ours": a, "theirs": b}
 
 
+def _join(cfg: dict[str, Any]) -> Any:
+    """This launched process's GPU and torch.distributed's default group over NCCL (and gloo
+    for CPU tensors), which raw DDP and FSDP2 need; a world of one gets one too."""
+    import torch.distributed as dist
+
+    import stratagem as sg
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    return device, sg.Comm.from_env(timeout=120, device=device)
+
+
 def _mirrored_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import stratagem as sg
 
-    strategy = sg.Mirrored()  # NCCL: one GPU per process
-    device = strategy.device
+    device, comm = _join(cfg)
+    strategy = sg.Mirrored(comm=comm, device=device)  # NCCL: one GPU per process
     model, opt = strategy.prepare(model := _model(cfg["width"]),
                                   torch.optim.SGD(model.parameters(), lr=0.01))
     ddp = DDP(_model(cfg["width"]).to(device), device_ids=[device.index])
@@ -164,7 +179,9 @@ def _sharded_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import stratagem as sg
 
-    strategy = sg.Sharded(shard_modules=[nn.Linear])  # the same units as by hand below
+    device, comm = _join(cfg)
+    # The same units as by hand below.
+    strategy = sg.Sharded(shard_modules=[nn.Linear], comm=comm, device=device)
     model, opt = strategy.prepare(model := _model(cfg["width"]),
                                   torch.optim.SGD(model.parameters(), lr=0.01))
     raw = _model(cfg["width"]).to(strategy.device)

@@ -356,6 +356,9 @@ def test_on_cuda_every_quorum_rebuilds_the_nccl_backend_and_a_kill_is_healed(mon
 
     monkeypatch.setattr(upstream, "nccl_backend", stand_in)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU per replica
+    for name in upstream.NCCL_ENV_DEFAULTS:  # set by the Comms; absent again at teardown
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
     seen = {}
 
     def train(comm, *args):
@@ -367,8 +370,8 @@ def test_on_cuda_every_quorum_rebuilds_the_nccl_backend_and_a_kill_is_healed(mon
 
     faults = ReplicaFaults().fail_at(1, 6)
     results = run_replicas(train, 3, args=(STRATEGIES["mirrored"], 16, faults), faults=faults,
-                           min_replicas=3, device=torch.device("cuda"), timeout=timedelta(
-                               seconds=10).total_seconds())
+                           min_replicas=3, device=torch.device("cuda", 0),
+                           timeout=timedelta(seconds=10).total_seconds())
     assert faults.deaths == [(1, 6)]
     _assert_equal(results)
     assert results[1][2] >= 1  # the replacement healed
@@ -376,4 +379,7 @@ def test_on_cuda_every_quorum_rebuilds_the_nccl_backend_and_a_kill_is_healed(mon
     assert seen[0][0] >= 2 and seen[2][0] >= 2, seen
     assert seen[1][0] >= 1, seen
     assert all(current and cpu_on_gloo for _, current, cpu_on_gloo in seen.values()), seen
-    assert {w for w, _ in built} <= {2, 3} and {d for _, d in built} == {"cuda"}, built
+    assert {w for w, _ in built} <= {2, 3} and {d for _, d in built} == {"cuda:0"}, built
+    import os
+
+    assert all(os.environ[k] == v for k, v in upstream.NCCL_ENV_DEFAULTS.items())

@@ -341,7 +341,7 @@ def test_on_cuda_each_quorum_gives_the_group_an_nccl_backend_beside_gloo(
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=30))
     groups = [upstream.bound_gloo_group(timedelta(seconds=10), "127.0.0.1",
-                                        device=torch.device("cuda")) for _ in range(2)]
+                                        device=torch.device("cuda", 0)) for _ in range(2)]
     seen: list[Any] = [None, None]
     errors: list[BaseException] = []
 
@@ -369,7 +369,9 @@ def test_on_cuda_each_quorum_gives_the_group_an_nccl_backend_beside_gloo(
     try:
         assert not errors, errors
         assert seen == [(True, True, [3.0, 3.0, 3.0], 2)] * 2
-        assert sorted(built) == [(0, 2, "cuda"), (0, 2, "cuda"), (1, 2, "cuda"), (1, 2, "cuda")]
+        assert sorted(built) == [(0, 2, "cuda:0"), (0, 2, "cuda:0"), (1, 2, "cuda:0"),
+                                 (1, 2, "cuda:0")]
+        assert all(pg.errored() is None for pg in groups)  # gloo plays NCCL: no get_error
     finally:
         for pg in groups:
             pg.abort(errored=False)
@@ -390,13 +392,26 @@ def test_on_cpu_or_without_the_reliance_the_group_builds_no_nccl_backend(
 
     assert upstream._nccl_usable(torch.device("cpu")) is None
     assert upstream._nccl_usable(None) is None
-    assert upstream._nccl_usable(torch.device("cuda")) == torch.device("cuda")
+    assert upstream._nccl_usable(torch.device("cuda", 0)) == torch.device("cuda", 0)
     (reliance,) = [r for r in RELIANCES if r.feature == upstream.NCCL_GROUP]
     _break(monkeypatch, reliance)
     with pytest.warns(TorchftContractWarning,
                       match=r"gloo through host memory.*"
                             r"torchft\.process_group\.ProcessGroupWrapper\._create_pg"):
-        assert upstream._nccl_usable(torch.device("cuda")) is None
+        assert upstream._nccl_usable(torch.device("cuda", 0)) is None
+
+
+def test_nccl_env_defaults_keep_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in upstream.NCCL_ENV_DEFAULTS:  # restored at teardown: absent before
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    upstream.nccl_env_defaults()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "100"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"  # the user's
 
 
 # ---------------------------------------------------------------------- (c) the boundary

@@ -425,17 +425,20 @@ def _ft_train(comm: Any, steps: int, faults: Any) -> tuple[Any, ...]:
         epoch += 1
     strategy.finalize(model)
     pg = comm._pg
+    # A world of one skips its collectives: send one CUDA tensor through the group itself.
+    over_cuda = _allreduce_sum(pg, torch.full((4,), 3.0, device=CUDA)).tolist()
     return (_cpu_state(model), strategy.steps, comm.heals, next(model.parameters()).device.type,
-            pg.nccl_built, type(pg.nccl).__name__)
+            pg.nccl_built, type(pg.nccl).__name__, over_cuda)
 
 
 def test_a_fault_tolerant_replica_on_cuda_runs_over_nccl():
     pytest.importorskip("torchft")
     from stratagem.testing.ft import run_replicas
 
-    ((state, steps, heals, device, built, backend),) = run_replicas(
+    ((state, steps, heals, device, built, backend, over_cuda),) = run_replicas(
         _ft_train, 1, args=(6, None), device=torch.device(CUDA), timeout=60, deadline=300)
     assert steps == 6 and device == "cuda" and built >= 1 and backend == "ProcessGroupNCCL"
+    assert over_cuda == [3.0] * 4
 
 
 @pytest.mark.filterwarnings("ignore:.*NCCL refuses two ranks on one GPU")
@@ -447,7 +450,8 @@ def test_a_killed_replica_on_cuda_is_healed_bitwise_through_the_heal_transport(m
     pytest.importorskip("torchft")
     from stratagem.testing.ft import ReplicaFaults, run_replicas
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    # More processes than GPUs (here: threads) keep the group on gloo, on any machine.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(torch.cuda.device_count() + 1))
     faults = ReplicaFaults().fail_at(1, 4)
     results = run_replicas(_ft_train, 2, args=(10, faults), faults=faults, min_replicas=2,
                            device=torch.device(CUDA), timeout=60, deadline=300)

@@ -272,8 +272,11 @@ class FaultTolerantComm(Comm):
         #: it is given (stratagem.ft.membership).
         self._key = MemberKey(token)
         # On CUDA, CUDA tensors go over NCCL, rebuilt with every quorum (CPU ones over gloo).
+        on_nccl = nccl_device(device)
+        if on_nccl is not None:
+            upstream.nccl_env_defaults()  # before this process's NCCL groups, on this thread
         self._pg = upstream.bound_gloo_group(timedelta(seconds=timeout), host, key=self._key,
-                                             device=nccl_device(device))
+                                             device=on_nccl)
         if transport is None:
             from .transport import SafeHealTransport, heal_bound
 
@@ -581,9 +584,24 @@ class FaultTolerantComm(Comm):
         """The commit of a transaction that skipped the quorum: what torchft's
         ``should_commit`` does for a replica group of one process, without its call to the
         manager server (whose vote, with one voter, is this process's own)."""
+        failed = self._device_failure()
+        if failed is not None:
+            self._record(failed)
+            self._drop_group()
         ok = self._error is None and self.manager.errored() is None
         upstream.commit_bookkeeping(self.manager, committed=ok, participants=self._world)
         return ok
+
+    def _device_failure(self) -> Exception | None:
+        """On NCCL, what torchft's ``should_commit`` checks and an elided commit must check
+        too: the step's collectives finish on the GPU (an NCCL collective's future completes
+        when it is queued; a lost peer fails it later, and NCCL's watchdog bounds that wait
+        at twice ``timeout``), then the group says whether one failed."""
+        if getattr(self._pg, "nccl", None) is None:
+            return None
+        if torch.cuda.is_available():  # (tests: gloo plays NCCL on a machine without CUDA)
+            torch.cuda.current_stream().synchronize()
+        return self._pg.errored()  # type: ignore[no-any-return]
 
     def _drop_group(self) -> None:
         """Close this replica's connections of a quorum whose step failed, before the commit
@@ -723,19 +741,21 @@ class FaultTolerantComm(Comm):
             fut.set_result(tensor)
             return fut
         inner = super().all_reduce_async(tensor, nbytes=nbytes)
-        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
-        def done(f: torch.futures.Future[torch.Tensor]) -> None:
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             try:
                 value = f.value()
             except Exception as exc:  # noqa: BLE001 - a peer died mid-collective
                 self._record(exc)
                 value = tensor
             self._injected()
-            out.set_result(value)
+            return value
 
-        inner.add_done_callback(done)
-        return out
+        # Chained, not copied into a new Future: NCCL's future carries the CUDA events that
+        # make DDP's stream wait for the all-reduce before it reads the bucket (a plain
+        # Future would let it read local or half-reduced gradients). An NCCL failure found
+        # later on the GPU is seen at commit (the group's errored()).
+        return inner.then(done)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         self._live_group()

@@ -230,8 +230,12 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
         # The group's processes form torch.distributed's default group (fixed membership),
         # so that FSDP2 (Hierarchical(inner=Sharded)) finds it; the quorum across groups is
         # torchft's.
-        from ..comm import Comm
+        from ..comm import Comm, nccl_device
 
+        if nccl_device(device) is not None:  # before the process's first NCCL group
+            from .upstream import nccl_env_defaults
+
+            nccl_env_defaults()
         group_comm = Comm.default_group(PrefixStore("group", group_store), group_rank,
                                         group_size, timeout=timeout, device=device,
                                         startup_timeout=startup_timeout)

@@ -468,37 +468,52 @@ def quorum_id(manager: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------- gloo group
+#: What NCCL's watchdog is told in a fault-tolerant process (unless the user set them): on an
+#: error, abort the communicator and fail its work without ending the process (torch's
+#: default, 3, ends it); no flight-recorder dump on an error or timeout (its signal is
+#: process-wide: the first NCCL group's monitor, seeing it, ends the process ~8 minutes
+#: later); and a short wait before the abort (4 x this; torch's default waits 60 s, during
+#: which the failed group cannot be dropped).
+NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+                     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100"}
+
+
+def nccl_env_defaults() -> None:
+    """Set :data:`NCCL_ENV_DEFAULTS` where the user did not. NCCL reads them when a process
+    group is built, so call this on the main thread before the process's first NCCL group
+    (``FaultTolerantComm`` and ``comm_from_env`` do, on CUDA); they apply to every NCCL group
+    of the process after it."""
+    import os
+
+    for name, value in NCCL_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def nccl_backend(store: Any, rank: int, world_size: int, device: Any,
                  timeout: timedelta) -> Any:  # pragma: no cover - needs CUDA
     """A plain ``torch.distributed`` NCCL backend of ``world_size`` ranks over ``store`` (a
-    prefix of the quorum's rendezvous store), connected eagerly on ``device`` so that a
-    member that cannot reach the others fails in the reconfiguration, inside its bound,
-    not in the step's first collective.
-
-    A lost peer must fail a step, not the process: unless the user chose otherwise, NCCL's
-    watchdog is told to abort the communicator and fail its work on an error
-    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``; torch's default, 3, ends the process), and its
-    own timeout is twice ``timeout``, so a stalled collective is first reported by
-    ``FaultTolerantComm``'s wait (the step does not commit; the group is aborted and
-    rebuilt at the next quorum)."""
-    import os
-
-    import torch
+    prefix of the quorum's rendezvous store), connected eagerly on ``device`` (an indexed
+    CUDA device) so that a member that cannot reach the others fails in the
+    reconfiguration, not in the step's first collective. Its own timeout is twice
+    ``timeout``: a stalled collective is first reported by ``FaultTolerantComm``'s wait
+    (the step does not commit; the group is aborted and rebuilt at the next quorum), and
+    NCCL's watchdog (see :data:`NCCL_ENV_DEFAULTS`) aborts what no wait bounds."""
     import torch.distributed as dist
 
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout * 2
     backend = dist.ProcessGroupNCCL(store, rank, world_size, opts)
     backend._set_sequence_number_for_group()
-    backend.eager_connect_single_device(torch.device(device))
+    backend.eager_connect_single_device(device)
     return backend
 
 
 def _nccl_usable(device: Any) -> Any:
-    """``device`` when the group can give CUDA tensors an NCCL backend (a CUDA device; the
-    installed torchft builds its groups in ``_create_pg``), else None (with a
-    :class:`TorchftContractWarning` naming the symbol when torchft is the reason)."""
+    """``device`` with its index (the current CUDA device where it has none: ``_create_pg``
+    runs on torchft's thread, whose current device is not the training thread's) when the
+    group can give CUDA tensors an NCCL backend (a CUDA device; the installed torchft
+    builds its groups in ``_create_pg``), else None (with a :class:`TorchftContractWarning`
+    naming the symbol when torchft is the reason)."""
     if device is None or getattr(device, "type", None) != "cuda":
         return None
     problems = problems_for(NCCL_GROUP)
@@ -506,6 +521,10 @@ def _nccl_usable(device: Any) -> Any:
         _warn_once(NCCL_GROUP, problems, "CUDA tensors of the fault-tolerant group go over "
                    "gloo through host memory")
         return None
+    if device.index is None:  # pragma: no cover - needs CUDA
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -581,10 +600,25 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
             # this one goes over NCCL instead (its own keys: a prefix of the same store).
             self.nccl = nccl_backend(dist.PrefixStore("nccl", store), rank, world_size,
                                      nccl_device, self._timeout)
+            # NCCL keeps using the store (its monitor, a lazily built communicator): the
+            # Python store object must live as long as the backend does.
+            self._nccl_store = store
             self.nccl_built += 1
             pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL,
                                  self.nccl)
             return pg
+
+        def errored(self) -> Exception | None:
+            """An error NCCL reported asynchronously (a collective whose future completed
+            at enqueue and failed later on the GPU), else torchft's answer; torchft's
+            ``should_commit`` asks this after synchronising the stream."""
+            get_error = getattr(self.nccl, "get_error", None)  # ProcessGroupNCCL's
+            if get_error is not None:
+                err = get_error()
+                if getattr(err, "name", str(err)) != "SUCCESS":
+                    return RuntimeError(f"the NCCL backend of this quorum's group failed "
+                                        f"({err}); the step does not commit")
+            return super().errored()  # type: ignore[no-any-return]
 
         def device_backend(self, device: str) -> Any:
             """The backend the current quorum's group runs ``device`` tensors on ("cpu",
@@ -598,8 +632,11 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
             # torchft's abort calls the process group's, which aborts every backend it holds
             # (ncclCommAbort ends a collective stuck on a lost peer), then drops the group
             # (gloo's sockets close with its last reference).
-            self.nccl = None
-            super().abort(errored=errored)
+            try:
+                super().abort(errored=errored)
+            finally:
+                self.nccl = None
+                self._nccl_store = None
 
     if key is None:
         return _BoundGloo(timeout=timeout)
