@@ -140,8 +140,12 @@ def _race(cfg: dict[str, Any], strategy: Any, model: nn.Module, opt: Any, plain:
         dist.barrier()
         torch.cuda.synchronize()
 
-    a, b = _timed(cfg, ours, theirs, sync)
-    strategy.close()
+    try:
+        a, b = _timed(cfg, ours, theirs, sync)
+        strategy.close()
+    finally:  # a default group left to interpreter exit can abort the process after its work
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return {"ours": a, "theirs": b}
 
 

@@ -408,6 +408,8 @@ def test_nccl_env_defaults_keep_what_the_user_set(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv(name, "x")
         monkeypatch.delenv(name)
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    upstream.nccl_env_defaults(error_handling=False)  # a replica group's own NCCL group
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     upstream.nccl_env_defaults()
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "100"

@@ -426,7 +426,8 @@ def _ft_train(comm: Any, steps: int, faults: Any) -> tuple[Any, ...]:
     strategy.finalize(model)
     pg = comm._pg
     # A world of one skips its collectives: send one CUDA tensor through the group itself.
-    over_cuda = _allreduce_sum(pg, torch.full((4,), 3.0, device=CUDA)).tolist()
+    over_cuda = (_allreduce_sum(pg, torch.full((4,), 3.0, device=CUDA)).tolist()
+                 if comm.world_size == 1 else None)
     return (_cpu_state(model), strategy.steps, comm.heals, next(model.parameters()).device.type,
             pg.nccl_built, type(pg.nccl).__name__, over_cuda)
 

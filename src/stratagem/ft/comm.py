@@ -273,8 +273,10 @@ class FaultTolerantComm(Comm):
         self._key = MemberKey(token)
         # On CUDA, CUDA tensors go over NCCL, rebuilt with every quorum (CPU ones over gloo).
         on_nccl = nccl_device(device)
-        if on_nccl is not None:
-            upstream.nccl_env_defaults()  # before this process's NCCL groups, on this thread
+        if on_nccl is not None and on_nccl.type != "cuda":
+            on_nccl = None
+        if on_nccl is not None:  # before the replica group's own NCCL group, if any
+            upstream.nccl_env_defaults(error_handling=False)
         self._pg = upstream.bound_gloo_group(timedelta(seconds=timeout), host, key=self._key,
                                              device=on_nccl)
         if transport is None:
@@ -331,6 +333,10 @@ class FaultTolerantComm(Comm):
                 new_group(dist.PrefixStore("pg", inner), group_rank, group_size, timeout, device),
                 group_rank, group_size, store=inner, timeout=timeout, device=device)
             self._children.append(self.group_comm)
+        if on_nccl is not None:
+            # After the replica group's own NCCL group (it keeps torch's error handling),
+            # before the first quorum builds this Comm's NCCL backend, on this thread.
+            upstream.nccl_env_defaults()
         self._beat = None
         if job_store is not None:
             from ..comm import Heartbeat

@@ -232,10 +232,13 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
         # torchft's.
         from ..comm import Comm, nccl_device
 
-        if nccl_device(device) is not None:  # before the process's first NCCL group
+        on_nccl = nccl_device(device)
+        if on_nccl is not None and on_nccl.type == "cuda":  # before its first NCCL group
             from .upstream import nccl_env_defaults
 
-            nccl_env_defaults()
+            # Not the error handling: the group's own NCCL group keeps torch's (a process
+            # whose group-mate died ends, and the launcher restarts the whole group).
+            nccl_env_defaults(error_handling=False)
         group_comm = Comm.default_group(PrefixStore("group", group_store), group_rank,
                                         group_size, timeout=timeout, device=device,
                                         startup_timeout=startup_timeout)

@@ -478,15 +478,20 @@ NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON
                      "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100"}
 
 
-def nccl_env_defaults() -> None:
+def nccl_env_defaults(*, error_handling: bool = True) -> None:
     """Set :data:`NCCL_ENV_DEFAULTS` where the user did not. NCCL reads them when a process
-    group is built, so call this on the main thread before the process's first NCCL group
-    (``FaultTolerantComm`` and ``comm_from_env`` do, on CUDA); they apply to every NCCL group
-    of the process after it."""
+    group is built, so call this on the main thread before the NCCL groups it should apply
+    to (``FaultTolerantComm`` does, on CUDA, before its first quorum); they apply to every
+    NCCL group of the process built after it. ``error_handling=False`` leaves
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` alone: a replica group's own NCCL group (fixed
+    membership) keeps torch's default, which ends a process whose group-mate died, so that
+    the launcher restarts the whole group instead of the survivors going on with a
+    cancelled collective's buffers."""
     import os
 
     for name, value in NCCL_ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+        if error_handling or name != "TORCH_NCCL_ASYNC_ERROR_HANDLING":
+            os.environ.setdefault(name, value)
 
 
 def nccl_backend(store: Any, rank: int, world_size: int, device: Any,
@@ -614,7 +619,10 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
             ``should_commit`` asks this after synchronising the stream."""
             get_error = getattr(self.nccl, "get_error", None)  # ProcessGroupNCCL's
             if get_error is not None:
-                err = get_error()
+                try:
+                    err = get_error()
+                except RuntimeError:  # a backend that does not implement it
+                    return super().errored()  # type: ignore[no-any-return]
                 if getattr(err, "name", str(err)) != "SUCCESS":
                     return RuntimeError(f"the NCCL backend of this quorum's group failed "
                                         f"({err}); the step does not commit")
