@@ -45,6 +45,9 @@ HERE = Path(__file__).resolve().parent
 _ENV = {"RAY_DEDUP_LOGS": "0", "RUST_LOG": "warn",
         # Ray Train's controller polls its workers (reports, failures) every 0.5 s, not 2 s.
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "OMP_NUM_THREADS": "1",
+        # Ray waits 30 s for its GCS server to bind its port; on 2 cores beside the suite's
+        # other workers that ran out once (a fresh clone's run at 8ee8807).
+        "RAY_gcs_server_port_wait_time_s": "120",
         # The training functions' module, and stratagem from this checkout, on every worker.
         "PYTHONPATH": os.pathsep.join([str(HERE / "ray_scripts"), str(HERE.parent / "examples"),
                                        str(HERE.parent / "src"),
