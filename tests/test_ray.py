@@ -55,15 +55,27 @@ _ENV = {"RAY_DEDUP_LOGS": "0", "RUST_LOG": "warn",
 _NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    saved = {k: os.environ.get(k) for k in _ENV}
-    os.environ.update(_ENV)
-    temp = tempfile.mkdtemp(prefix="sgray")  # short: Ray's socket paths live under it
-    # Every Ray file of this cluster under it, the cluster's address file too (without
-    # RAY_TMPDIR Ray writes that to /tmp/ray, and fails where /tmp/ray does not exist).
-    saved["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp
+#: Attempts at starting the simulated cluster: Ray gives a node a fixed 30 s to register
+#: (``raylet_start_wait_time_s`` in ``ray._private.node``, not configurable), which ran out
+#: once on 2 cores beside the suite's other workers and two busy loops.
+CLUSTER_ATTEMPTS = 2
+
+
+def _stop_leftovers(temp: str) -> None:
+    """Kill the Ray processes of a cluster that failed to start (a node Ray gave up on is in
+    no list ``Cluster.shutdown`` walks): only this process's descendants whose command line
+    names ``temp``, this fixture's private folder."""
+    import psutil
+
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if any(temp in arg for arg in proc.cmdline()):
+                proc.kill()
+        except psutil.Error:
+            pass
+
+
+def _start_cluster(temp: str) -> Cluster:
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 80 * 2**20, "include_dashboard": False,
         "node_ip_address": "127.0.0.1",
@@ -74,13 +86,43 @@ def cluster():
     try:
         for _ in range(3):  # two workers, and a spare node for a replacement
             c.add_node(**_NODE)
+    except BaseException:
+        c.shutdown()
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    saved = {k: os.environ.get(k) for k in _ENV}
+    os.environ.update(_ENV)
+    saved["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR")
+    temps: list[str] = []
+    c = None
+    try:
+        for attempt in range(CLUSTER_ATTEMPTS):
+            temp = tempfile.mkdtemp(prefix="sgray")  # short: Ray's socket paths live under it
+            temps.append(temp)
+            # Every Ray file of this cluster under it, the cluster's address file too
+            # (without RAY_TMPDIR Ray writes that to /tmp/ray, and fails where /tmp/ray does
+            # not exist).
+            os.environ["RAY_TMPDIR"] = temp
+            try:
+                c = _start_cluster(temp)
+                break
+            except Exception:  # noqa: BLE001 - Ray's "node timed out during startup"
+                _stop_leftovers(temp)
+                if attempt == CLUSTER_ATTEMPTS - 1:
+                    raise
         ray.init(address=c.address, _node_ip_address="127.0.0.1", include_dashboard=False,
                  log_to_driver=False)
         yield c
     finally:
         ray.shutdown()
-        c.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+        if c is not None:
+            c.shutdown()
+        for temp in temps:
+            shutil.rmtree(temp, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
