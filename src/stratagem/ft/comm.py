@@ -272,9 +272,7 @@ class FaultTolerantComm(Comm):
         #: it is given (stratagem.ft.membership).
         self._key = MemberKey(token)
         # On CUDA, CUDA tensors go over NCCL, rebuilt with every quorum (CPU ones over gloo).
-        on_nccl = nccl_device(device)
-        if on_nccl is not None and on_nccl.type != "cuda":
-            on_nccl = None
+        on_nccl = nccl_device(device) if device is not None and device.type == "cuda" else None
         if on_nccl is not None:  # before the replica group's own NCCL group, if any
             upstream.nccl_env_defaults(error_handling=False)
         self._pg = upstream.bound_gloo_group(timedelta(seconds=timeout), host, key=self._key,

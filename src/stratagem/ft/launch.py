@@ -232,8 +232,7 @@ def comm_from_env(*, timeout: float, device: torch.device | None, min_replicas: 
         # torchft's.
         from ..comm import Comm, nccl_device
 
-        on_nccl = nccl_device(device)
-        if on_nccl is not None and on_nccl.type == "cuda":  # before its first NCCL group
+        if device is not None and device.type == "cuda" and nccl_device(device) is not None:
             from .upstream import nccl_env_defaults
 
             # Not the error handling: the group's own NCCL group keeps torch's (a process

@@ -617,15 +617,12 @@ def bound_gloo_group(timeout: timedelta, host: str = "127.0.0.1", key: Any = Non
             """An error NCCL reported asynchronously (a collective whose future completed
             at enqueue and failed later on the GPU), else torchft's answer; torchft's
             ``should_commit`` asks this after synchronising the stream."""
-            get_error = getattr(self.nccl, "get_error", None)  # ProcessGroupNCCL's
-            if get_error is not None:
-                try:
-                    err = get_error()
-                except RuntimeError:  # a backend that does not implement it
-                    return super().errored()  # type: ignore[no-any-return]
-                if getattr(err, "name", str(err)) != "SUCCESS":
-                    return RuntimeError(f"the NCCL backend of this quorum's group failed "
-                                        f"({err}); the step does not commit")
+            err = None
+            with contextlib.suppress(AttributeError, RuntimeError):  # no get_error (gloo)
+                err = self.nccl.get_error()  # ProcessGroupNCCL's; no backend: None
+            if err is not None and getattr(err, "name", str(err)) != "SUCCESS":
+                return RuntimeError(f"the NCCL backend of this quorum's group failed "
+                                    f"({err}); the step does not commit")
             return super().errored()  # type: ignore[no-any-return]
 
         def device_backend(self, device: str) -> Any:
