@@ -106,21 +106,22 @@ def _crossed_pair(client: PSClient) -> tuple[list[object], list[int]]:
     return [a, b, got_a, got_b], [p1r, p1w, p2r, p2w]
 
 
-def test_doorbells_wired_into_each_other_cost_the_shard_nothing(tmp_path: Path) -> None:
-    """8 pairs of regions whose doorbells are each other's pipes, and one push into each
-    (before the fix the pairs answered each other's refusals forever: 0.2 -> 0.95 s/s of
-    shard CPU, 4.4 -> 17.1 ms per good step). Measured in this test, within 5 s of the
-    attack: the shard's CPU and a good gRPC client's median step stay within 1.2x of their
-    baseline before the attack, taken against a control: a second shard, not attacked, that
-    the same good client steps on in alternation (one step on each in turn), so the load of
-    the machine's other work reaches both alike. CPU: the attacked shard's s/s over the
-    control's drift; latency: the median ratio of each step to the control's next one. Both shards have a legitimate same-host worker's doorbell attached, idle:
-    any doorbell turns off the event loop's inline path for small calls (by design), which
-    is not what is measured here."""
-    (tmp_path / "x").mkdir()
-    (tmp_path / "y").mkdir()
-    shards = [ProcShard(tmp_path / "x", token=TOKEN),  # started together
-              ProcShard(tmp_path / "y", token=TOKEN)]
+#: Fresh shards and a fresh baseline per attempt: on 2 cores beside other work (three pytest
+#: workers and two busy loops, load ~13) one 3 s window's median ratio drifted 0.63 -> 1.10
+#: between two windows of an unattacked pair. The attack this guards against cost 4x in both
+#: figures, in every window; noise does not repeat itself three times.
+CROSSED_ATTEMPTS = 3
+
+
+def _crossed_pipe_attack(root: Path) -> tuple[bool, str]:
+    """One attempt of the test below on new shards under ``root``: whether both figures held,
+    and the figures. The bounds that are not timing (the attack measured within 5 s, at most
+    one doorbell of each pair accepted) are asserted here."""
+    root.mkdir()
+    (root / "x").mkdir()
+    (root / "y").mkdir()
+    shards = [ProcShard(root / "x", token=TOKEN),  # started together
+              ProcShard(root / "y", token=TOKEN)]
     clients: list[PSClient] = []
     goods: list[_Good] = []
     fds: list[int] = []
@@ -142,14 +143,17 @@ def test_doorbells_wired_into_each_other_cost_the_shard_nothing(tmp_path: Path) 
 
         def window(seconds: float) -> tuple[list[float], list[float], float, int]:
             """Per shard: CPU s/s and the good client's median step; and the median ratio
-            of each step on the attacked shard to the control's step right after it (a
-            pair of steps meets the same load of the machine's other work)."""
+            of each step on the attacked shard to the control's step beside it (a pair of
+            steps meets the same load of the machine's other work; which shard goes first
+            alternates, so neither is always the one stepped right after a pause)."""
             c0, t0 = [s.cpu() for s in shards], time.monotonic()
             took: list[list[float]] = [[], []]
+            turn = 0
             while time.monotonic() - t0 < seconds:
-                for i, good in enumerate(goods):
-                    took[i].append(good.step())
+                for i in ((0, 1) if turn % 2 == 0 else (1, 0)):
+                    took[i].append(goods[i].step())
                     time.sleep(0.005)
+                turn += 1
             dt = time.monotonic() - t0
             paired = statistics.median(x / y for x, y in zip(*took, strict=True))
             return ([(s.cpu() - c) / dt for s, c in zip(shards, c0, strict=True)],
@@ -164,19 +168,20 @@ def test_doorbells_wired_into_each_other_cost_the_shard_nothing(tmp_path: Path) 
             fds += f
         cpu1, lat1, pair1, n1 = window(3.0)
         assert time.monotonic() - attacked < 5.0 + 1.0
-        cpu_drift = cpu1[1] / cpu0[1]  # the control's
-        cpu_x, lat_x = cpu1[0] / cpu0[0] / cpu_drift, pair1 / pair0
-        print(f"attacked shard CPU {cpu0[0]:.3f} -> {cpu1[0]:.3f} s/s, good median step "
-              f"{lat0[0] * 1e3:.2f} -> {lat1[0] * 1e3:.2f} ms; control {cpu0[1]:.3f} -> "
-              f"{cpu1[1]:.3f} s/s, {lat0[1] * 1e3:.2f} -> {lat1[1] * 1e3:.2f} ms; "
-              f"ratios against the control: CPU {cpu_x:.2f}x, latency {lat_x:.2f}x "
-              f"({n0} / {n1} steps per shard)")
-        # 1.2x each, with a small absolute floor (0.05 s/s, 1.5 ms of the control's median
-        # step) for a busy 2-core machine's noise.
-        assert cpu1[0] <= 1.2 * cpu0[0] * cpu_drift + 0.05, (cpu0, cpu1)
-        assert pair1 <= 1.2 * pair0 + 0.0015 / lat1[1], (pair0, pair1, lat0, lat1)
         health = goods[0].client.health()[0]
         assert health["shm_bells"] <= 1 + 8  # at most one doorbell of each pair accepted
+        cpu_drift = cpu1[1] / cpu0[1]  # the control's
+        cpu_x, lat_x = cpu1[0] / cpu0[0] / cpu_drift, pair1 / pair0
+        figures = (f"attacked shard CPU {cpu0[0]:.3f} -> {cpu1[0]:.3f} s/s, good median step "
+                   f"{lat0[0] * 1e3:.2f} -> {lat1[0] * 1e3:.2f} ms; control {cpu0[1]:.3f} -> "
+                   f"{cpu1[1]:.3f} s/s, {lat0[1] * 1e3:.2f} -> {lat1[1] * 1e3:.2f} ms; "
+                   f"ratios against the control: CPU {cpu_x:.2f}x, latency {lat_x:.2f}x "
+                   f"({n0} / {n1} steps per shard)")
+        # 1.2x each, with a small absolute floor (0.05 s/s, 1.5 ms of the control's median
+        # step) for a busy 2-core machine's noise.
+        held = (cpu1[0] <= 1.2 * cpu0[0] * cpu_drift + 0.05
+                and pair1 <= 1.2 * pair0 + 0.0015 / lat1[1])
+        return held, figures
     finally:
         for fd in fds:
             os.close(fd)
@@ -186,6 +191,31 @@ def test_doorbells_wired_into_each_other_cost_the_shard_nothing(tmp_path: Path) 
             good.close()
         for shard in shards:
             shard.stop()
+
+
+@pytest.mark.timeout(300)  # up to three attempts of ~30 s each on a busy machine
+def test_doorbells_wired_into_each_other_cost_the_shard_nothing(tmp_path: Path) -> None:
+    """8 pairs of regions whose doorbells are each other's pipes, and one push into each
+    (before the fix the pairs answered each other's refusals forever: 0.2 -> 0.95 s/s of
+    shard CPU, 4.4 -> 17.1 ms per good step). Measured in this test, within 5 s of the
+    attack: the shard's CPU and a good gRPC client's median step stay within 1.2x of their
+    baseline before the attack, taken against a control: a second shard, not attacked, that
+    the same good client steps on in alternation (one step on each in turn), so the load of
+    the machine's other work reaches both alike. CPU: the attacked shard's s/s over the
+    control's drift; latency: the median ratio of each step to the control's beside it.
+    Both shards have a legitimate same-host worker's doorbell attached, idle: any doorbell
+    turns off the event loop's inline path for small calls (by design), which is not what
+    is measured here. Up to ``CROSSED_ATTEMPTS`` attempts, each on new shards with its own
+    baseline; one attempt within both bounds passes."""
+    seen = []
+    for attempt in range(CROSSED_ATTEMPTS):
+        held, figures = _crossed_pipe_attack(tmp_path / f"attempt{attempt}")
+        print(f"attempt {attempt + 1}: {figures}")
+        seen.append(figures)
+        if held:
+            return
+    pytest.fail(f"the crossed-pipe attack cost the shard more than 1.2x in "
+                f"{CROSSED_ATTEMPTS} attempts of {CROSSED_ATTEMPTS}: " + "; ".join(seen))
 
 
 def test_two_shards_wired_into_each_other_close_both_doorbells_unanswered() -> None:
