@@ -33,10 +33,8 @@ demo: $(STAMP)
 # (which failed at once), three workers 861 s with them (6327320, one run each);
 # tests/conftest.py starts the slowest files first.
 # ALONE: files run after the others, one test at a time. The Ray tests start a cluster of
-# daemons (GCS, four raylets, Ray Train's workers) whose start-up waits are Ray's own, fixed
-# (a node gets 30 s to register); beside the other pytest workers and two busy loops (load
-# ~13) the first Ray test ran past its 420 s (most of that was Ray's workers running at
-# niceness 15, which tests/test_ray.py now sets to 0); on their own they take ~90 s here.
+# daemons (GCS, four raylets, Ray Train's workers) whose start-up waits are Ray's own and
+# fixed (a node gets 30 s to register); alone they take 103-112 s here (61246a6).
 ALONE := tests/test_ray.py
 # compileall first: the suite starts many processes (sg.launch, stratagem run, spawned ranks),
 # each importing stratagem and a test module. Where PYTHONDONTWRITEBYTECODE is set (as on
