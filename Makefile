@@ -55,8 +55,9 @@ test-gpu:
 	PYTHONPATH=src $(PY) -m pytest tests/gpu -rs
 
 # Every benchmark end to end (hours; shaped links need root), each writing its canonical
-# result to benchmarks/results/; the run records its own duration in results/bench.{json,md}.
-# ARGS are passed on (e.g. make bench ARGS=--quick, or ARGS="--out-dir /tmp/b").
+# result to benchmarks/results/; the run records its own duration in results/bench.{json,md},
+# after every benchmark. ARGS are passed on: in parts, ARGS="--stop-after 90" then
+# ARGS=--resume (same code only); ARGS="--out-dir /tmp/b" writes elsewhere.
 bench: $(STAMP)
 	$(BIN)/stratagem bench $(ARGS)
 

@@ -487,11 +487,13 @@ def _gpu() -> str | None:
 def provenance(name: str, *, duration_s: float | None = None,
                command: str | None = None) -> dict[str, Any]:
     """The ledger fields of a result: what ran (commit, whether the tree had uncommitted
-    changes, command), when, with which versions, on what host, for how long."""
+    changes outside ``results/``, command), when, with which versions, on what host, for how long."""
     script = Path(sys.argv[0])
     with contextlib.suppress(ValueError):
         script = script.resolve().relative_to(ROOT)
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    # Results written earlier in the same `make bench` are not changes to what ran.
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                 ":(exclude)benchmarks/results")
     return {
         "name": name,
         "commit": _git("rev-parse", "--short=12", "HEAD"),
