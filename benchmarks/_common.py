@@ -44,6 +44,9 @@ ROOT = HERE.parent
 #: When this process started its benchmark (every script imports this module first): the
 #: default ``duration_s`` of its result.
 _STARTED = time.monotonic()
+#: The exit code of a benchmark that cannot run on this machine (``gpu.py`` without CUDA):
+#: ``stratagem bench`` records it as skipped, not failed (automake's convention for tests).
+SKIPPED = 77
 
 
 # =========================================================================== worker side
@@ -491,9 +494,11 @@ def provenance(name: str, *, duration_s: float | None = None,
     script = Path(sys.argv[0])
     with contextlib.suppress(ValueError):
         script = script.resolve().relative_to(ROOT)
-    # Results written earlier in the same `make bench` are not changes to what ran.
+    # Changes to what does not run (results written earlier in the same `make bench`, the
+    # docs, *.md) are not changes to what ran: the same files `stratagem bench` leaves out of
+    # the code digest of its record.
     dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                 ":(exclude)benchmarks/results")
+                 ":(exclude)benchmarks/results", ":(exclude)docs", ":(exclude,glob)**/*.md")
     return {
         "name": name,
         "commit": _git("rev-parse", "--short=12", "HEAD"),

@@ -15,8 +15,9 @@ that fails is recorded with its error and the others still run. Prints the media
 per-round ratios with their range and writes ``gpu.json`` / ``gpu.md`` to
 ``benchmarks/results`` (or ``--out-dir``). Sized for at most 5 minutes on one GPU.
 ``--smoke``: 2 steps, 1 round, width 256, 1 MiB, output to a temporary folder. Needs CUDA:
-without it, says so and exits 2, or with ``--smoke`` prints ``skipped: no CUDA`` and exits 0
-(there is no CPU path to check: every row times CUDA work).
+without it, it says so, writes no result and exits 77 (the exit code ``stratagem bench``
+records as "skipped", not failed), or with ``--smoke`` prints ``skipped: no CUDA`` and exits
+0 (there is no CPU path to check: every row times CUDA work).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_ledger_args, output_dir, write_result  # noqa: E402
+from _common import SKIPPED, add_ledger_args, output_dir, write_result  # noqa: E402
 
 
 def _model(width: int) -> nn.Module:
@@ -341,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             print("skipped: no CUDA (benchmarks/gpu.py times CUDA work only)")
             return 0
-        print("benchmarks/gpu.py needs a CUDA device (torch.cuda.is_available() is False)",
-              file=sys.stderr)
-        return 2
+        print("skipped: benchmarks/gpu.py needs a CUDA device (torch.cuda.is_available() is "
+              "False); no result written. Fix: run it on a machine with a GPU and a CUDA build "
+              "of torch", file=sys.stderr)
+        return SKIPPED
     t_start = time.perf_counter()
     cfg = {"steps": 2 if args.smoke else args.steps, "rounds": 1 if args.smoke else args.rounds,
            "width": 256 if args.smoke else args.width, "batch": args.batch,

@@ -76,7 +76,7 @@ def test_a_full_run_records_every_benchmark_and_its_duration(checkout: Path) -> 
     assert rec["code_commit"] == _git(checkout, "log", "-1", "--format=%h").strip()
     assert data["dirty"] is False  # the run's own results are not uncommitted code
     md = (checkout / "benchmarks" / "results" / "bench.md").read_text()
-    assert "(complete, every benchmark exited 0)" in md and "| gamma | 0 |" in md
+    assert "(complete, every benchmark exited 0)" in md and "| gamma | ok |" in md
 
 
 def test_a_run_in_parts_adds_up_to_one_record(checkout: Path,
@@ -116,6 +116,24 @@ def test_a_failure_is_recorded_and_named_benchmarks_run_again(
     assert _bench(checkout, "--resume", "beta") == 0
     rec = _record(checkout)["results"]
     assert [r["exit_code"] for r in rec["benchmarks"]] == [0, 0, 0] and rec["succeeded"]
+
+
+def test_a_benchmark_that_cannot_run_here_is_skipped_not_failed(
+        checkout: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_c", ROOT / "benchmarks" / "_common.py")
+    assert spec and spec.loader
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    assert common.SKIPPED == bench._SKIPPED == 77  # one convention on both sides
+    monkeypatch.setenv("FAIL_gamma", "77")
+    assert _bench(checkout) == 0
+    assert "gamma: skipped: it cannot run on this machine" in capsys.readouterr().out
+    rec = _record(checkout)["results"]
+    assert rec["complete"] and rec["succeeded"] and rec["skipped"] == ["gamma"]
+    md = (checkout / "benchmarks" / "results" / "bench.md").read_text()
+    assert "every benchmark exited 0 but 1 skipped (gamma)" in md and "| gamma | skipped |" in md
 
 
 def test_resume_refuses_other_code_and_other_arguments(

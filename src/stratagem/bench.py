@@ -33,7 +33,11 @@ run.
 
 A benchmark is a ``benchmarks/*.py`` file with a ``__main__`` guard (a helper module
 without one is skipped). ``--dir`` (or ``STRATAGEM_BENCHMARKS_DIR``) points elsewhere.
-Exit code: 0 when every benchmark succeeded, 1 when one failed, 2 for a usage error (no
+A benchmark that cannot run on this machine (``gpu.py`` without CUDA) exits 77 and is
+recorded as skipped, which is not a failure.
+
+Exit code: 0 when every benchmark succeeded or was skipped, 1 when one failed, 2 for a usage
+error (no
 ``benchmarks/`` found, unknown name), 130 on Ctrl-C and 143 on SIGTERM (forwarded to the
 running benchmark, which gets to clean up first).
 """
@@ -61,6 +65,8 @@ __all__ = ["main", "find_benchmarks_dir", "list_benchmarks"]
 #: Run first, in this order, when present; any other benchmark follows alphabetically.
 _ORDER = ("mirrored_vs_ddp", "ps_throughput", "compression", "convergence")
 _ENV_DIR = "STRATAGEM_BENCHMARKS_DIR"
+#: A benchmark's exit code for "cannot run here" (``SKIPPED`` in ``benchmarks/_common.py``).
+_SKIPPED = 77
 #: Seconds a benchmark gets to clean up (e.g. delete network namespaces) after a signal.
 _CLEANUP_GRACE = 30.0
 #: Tracked paths whose changes leave what the benchmarks measure as it was: their results
@@ -302,6 +308,14 @@ def _load_record(path: Path, *, state: tuple[str, str] | None,
     return {**fresh, **record}
 
 
+def _ok(code: int) -> bool:
+    return code in (0, _SKIPPED)
+
+
+def _shown(code: int) -> str:
+    return "ok" if code == 0 else "skipped" if code == _SKIPPED else f"exit {code}"
+
+
 def _record(common: ModuleType, name: str, record: dict[str, Any], known: Sequence[str], *,
             out_dir: Path, command: str) -> None:
     """Write the run's own result: how long it took in all, each benchmark's exit code,
@@ -310,10 +324,14 @@ def _record(common: ModuleType, name: str, record: dict[str, Any], known: Sequen
     done = {r["benchmark"] for r in rows}
     left = [n for n in known if n not in done]
     record["complete"] = not left
-    record["succeeded"] = not left and all(r["exit_code"] == 0 for r in rows)
+    record["succeeded"] = not left and all(_ok(r["exit_code"]) for r in rows)
+    record["skipped"] = [r["benchmark"] for r in rows if r["exit_code"] == _SKIPPED]
     record["total_s"] = round(sum(r["seconds"] for r in rows), 1)
     total = record["total_s"]
-    state = (f"complete, {'every benchmark exited 0' if record['succeeded'] else 'with failures'}"
+    skipped = record["skipped"]
+    passed = (f"every benchmark exited 0 but {len(skipped)} skipped ({', '.join(skipped)})"
+              if skipped else "every benchmark exited 0")
+    state = (f"complete, {passed if record['succeeded'] else 'with failures'}"
              if record["complete"] else f"partial: {len(done)} of {len(known)} benchmarks")
     parts = record["parts"]
     lines = [f"# `{command}`: {total / 60:.1f} min ({state})", "",
@@ -321,8 +339,8 @@ def _record(common: ModuleType, name: str, record: dict[str, Any], known: Sequen
              f"at {record.get('code_commit')} (digest `{record.get('code')}`: every tracked "
              "file outside benchmarks/results/, docs/ and *.md); the time is the sum of the "
              f"benchmarks' seconds. Their results went to `{record.get('output')}`.", "",
-             "| benchmark | exit code | s | commit | arguments |", "|---|---:|---:|---|---|"]
-    lines += [f"| {r['benchmark']} | {r['exit_code']} | {r['seconds']:.0f} | "
+             "| benchmark | outcome | s | commit | arguments |", "|---|---:|---:|---|---|"]
+    lines += [f"| {r['benchmark']} | {_shown(r['exit_code'])} | {r['seconds']:.0f} | "
               f"{r.get('commit') or '-'} | `{' '.join(r.get('args', []))}` |" for r in rows]
     lines += ["", "| part | started | wall s | benchmarks |", "|---:|---|---:|---|"]
     lines += [f"| {i} | {p['started']} | {p['wall_s']:.0f} | {', '.join(p['benchmarks'])} |"
@@ -435,8 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _run_one(benchmarks[name], per_bench[name], cwd)
             seconds = time.perf_counter() - t0
             outcomes.append((name, code, seconds))
-            print(f"== {name}: {'ok' if code == 0 else f'FAILED (exit code {code})'} in "
-                  f"{seconds:.0f} s", flush=True)
+            said = ("ok" if code == 0 else "skipped: it cannot run on this machine"
+                    if code == _SKIPPED else f"FAILED (exit code {code})")
+            print(f"== {name}: {said} in {seconds:.0f} s", flush=True)
             if recording:
                 row = {"benchmark": name, "exit_code": code, "seconds": round(seconds, 1),
                        "args": per_bench[name], "commit": head.strip() if head else None,
@@ -450,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 part["wall_s"] = round(time.perf_counter() - started, 1)
                 _record(common, record_name, record, list(benchmarks), out_dir=record_dir,
                         command=command)
-            if code != 0 and args.fail_fast:
+            if not _ok(code) and args.fail_fast:
                 break
     except KeyboardInterrupt:
         print("stratagem bench: interrupted" + (f"; {record_dir / record_name}.json keeps the "
@@ -466,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(selected) > 1:
         print("\n== summary")
         for name, code, seconds in outcomes:
-            print(f"  {name:<20} {'ok' if code == 0 else f'exit {code}':<8} {seconds:7.0f} s")
+            print(f"  {name:<20} {_shown(code):<8} {seconds:7.0f} s")
         for name in selected[len(outcomes):]:
             print(f"  {name:<20} not run")
         print(f"results: {output} ({total / 60:.1f} min in all)")
@@ -479,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("stratagem bench: the code had uncommitted changes, so this record cannot "
                   "be resumed", flush=True)
     return 0 if (stopped or len(outcomes) == len(selected)) and all(
-        c == 0 for _, c, _ in outcomes) else 1
+        _ok(c) for _, c, _ in outcomes) else 1
 
 if __name__ == "__main__":
     sys.exit(main())
