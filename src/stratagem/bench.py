@@ -37,9 +37,8 @@ A benchmark that cannot run on this machine (``gpu.py`` without CUDA) exits 77 a
 recorded as skipped, which is not a failure.
 
 Exit code: 0 when every benchmark succeeded or was skipped, 1 when one failed, 2 for a usage
-error (no
-``benchmarks/`` found, unknown name), 130 on Ctrl-C and 143 on SIGTERM (forwarded to the
-running benchmark, which gets to clean up first).
+error (no ``benchmarks/`` found, unknown name), 130 on Ctrl-C and 143 on SIGTERM (forwarded
+to the running benchmark, which gets to clean up first).
 """
 
 from __future__ import annotations
@@ -329,8 +328,8 @@ def _record(common: ModuleType, name: str, record: dict[str, Any], known: Sequen
     record["total_s"] = round(sum(r["seconds"] for r in rows), 1)
     total = record["total_s"]
     skipped = record["skipped"]
-    passed = (f"every benchmark exited 0 but {len(skipped)} skipped ({', '.join(skipped)})"
-              if skipped else "every benchmark exited 0")
+    passed = (f"{len(rows) - len(skipped)} exited 0, {len(skipped)} skipped as unable to run "
+              f"here ({', '.join(skipped)})" if skipped else "every benchmark exited 0")
     state = (f"complete, {passed if record['succeeded'] else 'with failures'}"
              if record["complete"] else f"partial: {len(done)} of {len(known)} benchmarks")
     parts = record["parts"]
